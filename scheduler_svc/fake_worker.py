@@ -1,0 +1,214 @@
+"""A deterministic fake model and a fake worker that executes plans like a real one.
+
+The fake model's next token is a pure function of (request, sample, output index), so
+every sequence's correct output is known in advance whatever the batching, chunking,
+prefix caching, preemption or forking (:meth:`FakeModel.reference_output`).
+
+The fake worker keeps its own per-sequence state from the plan deltas and a fake KV
+cache holding, per slot, the token whose K/V a real cache would hold there. It runs a
+plan's copies in the worker's order, writes each scheduled token into its slot, and
+with ``verify_kv`` reads back every context slot the attention would read: a wrong
+block table, a missing copy-on-write or a bad swap fails loudly with the position.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ipc.schema import BatchPlan, StepResult
+from shared.sampling import SamplingParams
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a cheap, well-spread hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class FakeModel:
+    """Token ids ``FIRST_TOKEN..vocab_size-1`` from a hash; EOS only where told."""
+
+    FIRST_TOKEN = 3
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 32000,
+        eos_token_id: int = 2,
+        eos_at: Mapping[str, int] | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_at = dict(eos_at or {})
+        """request id -> 1-based index of the output token that is EOS."""
+        self._seeds: dict[tuple[str, int], int] = {}
+
+    def next_token(
+        self, request_id: str, sample_index: int, num_output: int, min_tokens: int
+    ) -> int:
+        """The output token after ``num_output`` outputs (EOS is masked below min_tokens)."""
+        if self.eos_at.get(request_id) == num_output + 1 and num_output >= min_tokens:
+            return self.eos_token_id
+        seed = self._seeds.get((request_id, sample_index))
+        if seed is None:
+            seed = self._seeds[(request_id, sample_index)] = zlib.crc32(
+                f"{request_id}\0{sample_index}".encode()
+            )
+        span = self.vocab_size - self.FIRST_TOKEN
+        return self.FIRST_TOKEN + _mix(seed * 1_000_003 + num_output) % span
+
+    def prompt(self, request_id: str, length: int) -> list[int]:
+        """A prompt of ``length`` tokens private to ``request_id``."""
+        seed = zlib.crc32(f"prompt\0{request_id}".encode())
+        span = self.vocab_size - self.FIRST_TOKEN
+        return [self.FIRST_TOKEN + _mix(seed * 1_000_003 + i) % span for i in range(length)]
+
+    def reference_output(
+        self,
+        request_id: str,
+        sample_index: int,
+        prompt_len: int,
+        params: SamplingParams,
+        max_model_len: int,
+    ) -> tuple[list[int], str]:
+        """The tokens and finish reason of this sample run alone, by the stop rules."""
+        limit = min(
+            params.max_tokens or max_model_len - prompt_len, max_model_len - prompt_len
+        )
+        out: list[int] = []
+        while True:
+            token = self.next_token(request_id, sample_index, len(out), params.min_tokens)
+            out.append(token)
+            stops = (token == self.eos_token_id and not params.ignore_eos) or (
+                token in params.stop_token_ids
+            )
+            if len(out) > params.min_tokens and stops:
+                return out, "stop"
+            if len(out) >= limit:
+                return out, "length"
+
+
+class WorkerStateError(RuntimeError):
+    """The plan contradicts what the worker holds (a scheduler bug)."""
+
+
+@dataclass(slots=True)
+class _WorkerSeq:
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    min_tokens: int
+
+
+class FakeWorker:
+    def __init__(
+        self,
+        model: FakeModel,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        verify_kv: bool = True,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.verify_kv = verify_kv
+        self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
+        self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
+        self.seqs: dict[str, _WorkerSeq] = {}
+        self.swapped_blocks = 0
+
+    def _copy(self, src: list[int], src_block: int, dst: list[int], dst_block: int) -> None:
+        bs = self.block_size
+        dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
+
+    def _slot(self, seq: _WorkerSeq, position: int) -> int:
+        bs = self.block_size
+        index = position // bs
+        if index >= len(seq.block_ids):
+            raise WorkerStateError(f"position {position} beyond the block table {seq.block_ids}")
+        return seq.block_ids[index] * bs + position % bs
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        for seq_id in plan.freed_seq_ids:
+            if self.seqs.pop(seq_id, None) is None:
+                raise WorkerStateError(f"freed unknown sequence {seq_id}")
+        for gpu_block, cpu_block in plan.swap_out:
+            self._copy(self.gpu_kv, gpu_block, self.cpu_kv, cpu_block)
+        for cpu_block, gpu_block in plan.swap_in:
+            self._copy(self.cpu_kv, cpu_block, self.gpu_kv, gpu_block)
+        self.swapped_blocks += len(plan.swap_out) + len(plan.swap_in)
+        for src, dst in plan.copies:
+            self._copy(self.gpu_kv, src, self.gpu_kv, dst)
+        for new in plan.new_seqs:
+            if new.seq_id in self.seqs:
+                raise WorkerStateError(f"new sequence {new.seq_id} is already known")
+            self.seqs[new.seq_id] = _WorkerSeq(
+                request_id=new.request_id,
+                sample_index=new.sample_index,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                num_computed_tokens=new.num_computed_tokens,
+                block_ids=list(new.block_ids),
+                min_tokens=new.sampling.min_tokens,
+            )
+        for update in plan.block_updates:
+            seq = self._get(update.seq_id)
+            seq.block_ids.extend(update.appended)
+            for index, block in update.replaced:
+                seq.block_ids[index] = block
+
+        # Forward: store every new token's K/V, then let attention read the contexts.
+        batch = [(self._get(sid), n) for sid, n in plan.num_scheduled_tokens.items()]
+        for seq, num_new in batch:
+            start = seq.num_computed_tokens
+            if num_new < 1 or start + num_new > len(seq.token_ids):
+                raise WorkerStateError(
+                    f"{seq.request_id}: {num_new} tokens scheduled at {start} of "
+                    f"{len(seq.token_ids)}"
+                )
+            for position in range(start, start + num_new):
+                self.gpu_kv[self._slot(seq, position)] = seq.token_ids[position]
+        if self.verify_kv:
+            for seq, num_new in batch:
+                self._verify(seq, seq.num_computed_tokens + num_new)
+
+        sampled: dict[str, list[int]] = {}
+        for (seq, num_new), seq_id in zip(batch, plan.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue
+            num_output = len(seq.token_ids) - seq.num_prompt_tokens
+            samples = [seq.sample_index, *range(1, plan.num_samples.get(seq_id, 1))]
+            tokens = [
+                self.model.next_token(seq.request_id, index, num_output, seq.min_tokens)
+                for index in samples
+            ]
+            seq.token_ids.append(tokens[0])
+            sampled[seq_id] = tokens
+        return StepResult(step=plan.step, sampled_token_ids=sampled)
+
+    def _get(self, seq_id: str) -> _WorkerSeq:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise WorkerStateError(f"plan names unknown sequence {seq_id}")
+        return seq
+
+    def _verify(self, seq: _WorkerSeq, context_len: int) -> None:
+        kv = self.gpu_kv
+        for position in range(context_len):
+            held = kv[self._slot(seq, position)]
+            if held != seq.token_ids[position]:
+                raise WorkerStateError(
+                    f"{seq.request_id}/{seq.sample_index}: KV at position {position} holds "
+                    f"token {held}, expected {seq.token_ids[position]} (blocks {seq.block_ids})"
+                )

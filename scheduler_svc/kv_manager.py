@@ -1,0 +1,184 @@
+"""Per-sequence KV-block bookkeeping on top of the block pools.
+
+Every mutation comes in a check/commit pair (``can_admit``/``admit`` + ``append``,
+``can_append``/``append``, ``can_swap_in``/``swap_in``): the scheduler asks first and
+commits only what fits, so a refused step leaves nothing half-allocated.
+
+A sequence's device block table always covers exactly its computed tokens plus the
+tokens scheduled in the step in flight. Full blocks are registered in the prefix cache
+when they are allocated for the step that fills them; the worker stores every new K/V
+of a layer before attention reads, so a sequence admitted in the same step may already
+share them.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.block_pool import BlockKey, CpuBlockPool, DeviceBlockPool, chain_hash
+from scheduler_svc.request import Sequence
+
+CopyOnWrite = tuple[int, int, int]
+"""(index in the table, shared source block, private destination block)."""
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        enable_prefix_caching: bool,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = DeviceBlockPool(num_gpu_blocks)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------------
+
+    def _block_key(self, seq: Sequence, index: int) -> BlockKey:
+        bs = self.block_size
+        parent = seq.block_hashes[index - 1] if index else 0
+        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        hashes = seq.block_hashes
+        for index in range(len(hashes), num_blocks):
+            hashes.append(chain_hash(*self._block_key(seq, index)))
+
+    def find_cached(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """Leading full blocks of ``seq`` whose content the device cache holds."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
+        self._extend_hashes(seq, max_blocks)
+        hits = []
+        for index in range(max_blocks):
+            block = self.pool.lookup(seq.block_hashes[index], self._block_key(seq, index))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def find_prefix(self, seq: Sequence) -> list[int]:
+        """Prefix hits for admission: always leaves at least one token to compute."""
+        return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        full = num_tokens // self.block_size
+        if full <= seq.num_cached_blocks:
+            return
+        self._extend_hashes(seq, full)
+        table = seq.block_table
+        for index in range(seq.num_cached_blocks, full):
+            self.pool.cache(table[index], seq.block_hashes[index], self._block_key(seq, index))
+        seq.num_cached_blocks = full
+
+    # -- admission and growth -----------------------------------------------------------
+
+    def _cost(self, num_blocks_after: int, hits: list[int]) -> int:
+        """Free-queue blocks consumed by a table of ``num_blocks_after`` starting with ``hits``."""
+        ref_cnt = self.pool.ref_cnt
+        return num_blocks_after - len(hits) + sum(1 for b in hits if ref_cnt[b] == 0)
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_new: int, reserve: int) -> bool:
+        """Whether ``seq`` (no blocks yet) can take ``hits`` and ``num_new`` tokens more."""
+        after = self.blocks_for(len(hits) * self.block_size + num_new)
+        return self._cost(after, hits) + reserve <= self.pool.num_free
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Start ``seq``'s table from its prefix hits; follow with :meth:`append`."""
+        self.pool.share(hits)
+        seq.block_table = list(hits)
+        seq.num_cached_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_computed_tokens
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        computed = seq.num_computed_tokens
+        return bool(computed % self.block_size) and (
+            self.pool.ref_cnt[seq.block_table[computed // self.block_size]] > 1
+        )
+
+    def can_append(self, seq: Sequence, num_new: int, reserve: int = 0) -> bool:
+        need = self.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        if self._needs_cow(seq):
+            need += 1
+        return need + reserve <= self.pool.num_free
+
+    def append(self, seq: Sequence, num_new: int) -> tuple[list[int], CopyOnWrite | None]:
+        """Make room for ``num_new`` tokens after the computed ones.
+
+        Returns the appended blocks and, when the first written block was shared, the
+        copy-on-write that gives ``seq`` its own copy.
+        """
+        table = seq.block_table
+        cow = None
+        if self._needs_cow(seq):
+            index = seq.num_computed_tokens // self.block_size
+            shared = table[index]
+            (private,) = self.pool.allocate(1)
+            self.pool.release((shared,))
+            table[index] = private
+            cow = (index, shared, private)
+        need = self.blocks_for(seq.num_computed_tokens + num_new) - len(table)
+        appended = self.pool.allocate(need) if need > 0 else []
+        table.extend(appended)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        return appended, cow
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (n>1 samples of one prompt)."""
+        child.block_table = list(parent.block_table)
+        self.pool.share(child.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    # -- swap -----------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= self.cpu_pool.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to the CPU pool; returns (device, cpu) copies."""
+        cpu_blocks = self.cpu_pool.allocate(len(seq.block_table))
+        pairs = list(zip(seq.block_table, cpu_blocks, strict=True))
+        self.free(seq)
+        seq.cpu_block_table = cpu_blocks
+        return pairs
+
+    def find_swap_hits(self, seq: Sequence) -> list[int]:
+        """Full blocks of a swapped ``seq`` still cached on the device: no copy needed."""
+        return self.find_cached(seq, seq.num_computed_tokens // self.block_size)
+
+    def can_swap_in(self, seq: Sequence, hits: list[int], num_new: int, reserve: int) -> bool:
+        after = self.blocks_for(seq.num_computed_tokens + num_new)
+        return self._cost(after, hits) + reserve <= self.pool.num_free
+
+    def swap_in(self, seq: Sequence, hits: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+        """Give ``seq`` device blocks again; follow with :meth:`append`.
+
+        Returns the (cpu, device) copies and the CPU blocks it no longer needs. Those
+        must stay allocated until the copies ran: the caller releases them after the step.
+        """
+        self.pool.share(hits)
+        cpu_blocks = seq.cpu_block_table
+        copied = self.pool.allocate(len(cpu_blocks) - len(hits))
+        seq.block_table = list(hits) + copied
+        seq.num_cached_blocks = len(hits)
+        seq.cpu_block_table = []
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, seq.num_computed_tokens)
+        return list(zip(cpu_blocks[len(hits) :], copied, strict=True)), cpu_blocks

@@ -1,0 +1,164 @@
+"""Requests and the sequences the scheduler moves between queues.
+
+A request with ``n`` samples owns ``n`` sequences once its prompt is computed; before
+that it has one (sample 0), and the others are forked from it, sharing its blocks.
+Progress is tracked by counters only: a sequence needs work while
+``num_computed_tokens < len(token_ids)``, whether that is a fresh prompt, a prompt
+chunk, the prompt after a prefix-cache hit, a recompute after preemption, or the
+latest sampled token of a decode.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from shared.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RejectedError(Exception):
+    """A request refused at submission; ``code`` is machine-readable, the message is not.
+
+    Codes: ``invalid`` (bad request data, duplicate id), ``too_long`` (can never fit),
+    ``overloaded`` (waiting queue full).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Request:
+    """What a client submitted: the prompt, its sampling parameters and its samples."""
+
+    __slots__ = (
+        "arrival_seq",
+        "arrival_step",
+        "finish_reason",
+        "first_scheduled_step",
+        "max_output_tokens",
+        "num_unfinished",
+        "params",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "seqs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int,
+        arrival_step: int,
+        arrival_seq: int,
+        max_output_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.arrival_step = arrival_step
+        self.arrival_seq = arrival_seq
+        self.max_output_tokens = max_output_tokens
+        self.seqs: list[Sequence] = []
+        self.num_unfinished = params.n
+        self.first_scheduled_step: int | None = None
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def seq_id(self, sample_index: int) -> str:
+        return self.request_id if self.params.n == 1 else f"{self.request_id}/{sample_index}"
+
+
+class Sequence:
+    """One sample of a request: its tokens, its progress and where its K/V live."""
+
+    __slots__ = (
+        "block_hashes",
+        "block_table",
+        "cpu_block_table",
+        "finish_reason",
+        "key",
+        "num_cached_blocks",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "on_worker",
+        "pending_forks",
+        "request",
+        "sample_index",
+        "seq_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        sample_index: int,
+        token_ids: list[int],
+        key: tuple[float, int, int],
+    ) -> None:
+        self.request = request
+        self.sample_index = sample_index
+        self.seq_id = request.seq_id(sample_index)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.cpu_block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        """Chained content hashes of this sequence's full blocks, computed lazily."""
+        self.num_cached_blocks = 0
+        """Leading blocks of ``block_table`` already registered in the prefix cache."""
+        self.status = SeqStatus.WAITING
+        self.key = key
+        """Queue order (smaller runs first); static, see ``policies``."""
+        self.num_preemptions = 0
+        self.pending_forks = 0
+        """Samples still to fork from this one when its prompt completes (n>1)."""
+        self.on_worker = False
+        """Whether the workers hold state for it (else the next plan sends it in full)."""
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def slots_needed(self) -> int:
+        """Running-sequence slots it takes once admitted, counting samples still to fork."""
+        return 1 + self.pending_forks
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, {self.status.value}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens}, blocks={self.block_table})"
+        )

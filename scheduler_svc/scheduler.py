@@ -1,0 +1,630 @@
+"""The scheduler core: one decision per step, no I/O, no torch.
+
+Each step (:meth:`Scheduler.schedule`):
+
+1. reap: finished and aborted sequences already gave their blocks back when they
+   ended (in :meth:`Scheduler.update` / :meth:`Scheduler.abort`), and the CPU blocks
+   of the previous step's swap-ins were released when its result arrived;
+2. budget: ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences; admission
+   keeps a watermark of free blocks plus one block for each running sequence whose next
+   token starts a new block;
+3. (priority policy) make room: the best waiting or swapped sequence may preempt running
+   sequences ranked after it;
+4. running sequences, in queue order, get their next chunk; one that cannot grow
+   preempts the lowest-ranked running sequence (swap or recompute by the cost model),
+   or itself;
+5. if nothing was preempted, swapped and waiting sequences are resumed / admitted in
+   queue order (prefix-cache hits first, chunked prefill) until the first that does not
+   fit: no overtaking, so nobody starves;
+6. the plan: full data for sequences the workers do not know, deltas for the rest.
+
+:meth:`Scheduler.update` then applies the sampled tokens: it appends them, forks n>1
+samples when their prompt completes, stops sequences (EOS, stop token, max_tokens,
+max_model_len) and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from ipc.schema import (
+    BatchPlan,
+    BlockUpdate,
+    BlockUsage,
+    NewSeq,
+    PrefixCacheStats,
+    SchedulerSnapshot,
+    SeqInfo,
+    StepResult,
+)
+from scheduler_svc.kv_manager import KVCacheManager
+from scheduler_svc.policies import (
+    PreemptionCostModel,
+    PreemptionMode,
+    VictimPolicy,
+    make_queue_order,
+)
+from scheduler_svc.queues import SeqQueue
+from scheduler_svc.request import (
+    FinishReason,
+    RejectedError,
+    Request,
+    SeqStatus,
+    Sequence,
+)
+from shared.config import SchedulerConfig
+from shared.sampling import SamplingParams
+
+
+class WorkerProtocolError(RuntimeError):
+    """A step result that does not match the plan it answers."""
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one :meth:`Scheduler.schedule` decided besides the plan itself."""
+
+    step: int
+    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UpdateOutcome:
+    """What one :meth:`Scheduler.update` changed."""
+
+    advanced: list[Sequence] = field(default_factory=list)
+    """Sequences that got new tokens (their last ``len(tokens)`` entries)."""
+    finished: list[Sequence] = field(default_factory=list)
+    finished_requests: list[Request] = field(default_factory=list)
+
+
+def _sort_key(seq: Sequence) -> tuple[float, int, int]:
+    return seq.key
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        eos_token_id: int | None,
+        kv_bytes_per_block: int,
+    ) -> None:
+        if config.num_gpu_blocks is None:
+            raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            num_cpu_blocks=config.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.order = make_queue_order(config)
+        self.victims = VictimPolicy(config.max_preemptions)
+        self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
+        self.watermark_blocks = config.watermark_blocks(config.num_gpu_blocks)
+        self.capacity_blocks = config.num_gpu_blocks - self.watermark_blocks
+
+        self.waiting = SeqQueue()
+        self.swapped = SeqQueue()
+        self.running: list[Sequence] = []
+        """In queue order (best first)."""
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id."""
+        self.seqs: dict[str, Sequence] = {}
+        """Unfinished sequences by id."""
+
+        self.step = 0
+        """Index of the next step to schedule."""
+        self._arrivals = 0
+        self._freed_seq_ids: list[str] = []
+        self._cpu_release: list[int] = []
+        self._inflight: list[tuple[Sequence, int]] | None = None
+        self._last_plan_tokens = 0
+        self.report = StepReport(step=-1)
+        self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
+        self.finished_counts: dict[str, int] = {r.value: 0 for r in FinishReason}
+        self.finished_counts["rejected"] = 0
+
+    # -- submission -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request, or raise :class:`RejectedError` saying why it never could run."""
+        try:
+            request = self._validate(request_id, prompt_token_ids, params, priority)
+        except RejectedError:
+            self.finished_counts["rejected"] += 1
+            raise
+        seq = Sequence(request, 0, list(prompt_token_ids), self.order.key(request, 0))
+        seq.pending_forks = params.n - 1
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.seqs[seq.seq_id] = seq
+        self.waiting.push(seq)
+        return request
+
+    def _validate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+    ) -> Request:
+        cfg = self.config
+        if not isinstance(request_id, str) or not request_id:
+            raise RejectedError("invalid", "request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise RejectedError("invalid", f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise RejectedError("invalid", "params must be SamplingParams")
+        if type(priority) is not int:
+            raise RejectedError("invalid", f"priority must be an integer, got {priority!r}")
+        if not isinstance(prompt, list) or not prompt:
+            raise RejectedError("invalid", "prompt_token_ids must be a non-empty list")
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            raise RejectedError("invalid", "prompt_token_ids must hold non-negative integers")
+        if params.n > cfg.max_num_seqs:
+            raise RejectedError(
+                "invalid", f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
+            )
+        if len(prompt) >= cfg.max_model_len:
+            raise RejectedError(
+                "too_long",
+                f"prompt has {len(prompt)} tokens; max_model_len={cfg.max_model_len} "
+                "leaves no room for output",
+            )
+        max_output = params.max_tokens or cfg.max_model_len - len(prompt)
+        total = len(prompt) + max_output
+        if total > cfg.max_model_len:
+            raise RejectedError(
+                "too_long",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_output}) = {total} "
+                f"exceeds max_model_len={cfg.max_model_len}",
+            )
+        if self.kv.blocks_for(total) > self.capacity_blocks:
+            raise RejectedError(
+                "too_long",
+                f"{total} tokens need {self.kv.blocks_for(total)} KV blocks; the cache "
+                f"admits at most {self.capacity_blocks}",
+            )
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
+            if seq_id in self.seqs:
+                raise RejectedError("invalid", f"sequence id {seq_id!r} is already in use")
+        if len(self.waiting) >= cfg.max_waiting_requests:
+            raise RejectedError(
+                "overloaded",
+                f"waiting queue is full ({cfg.max_waiting_requests} requests); retry later",
+            )
+        self._arrivals += 1
+        return Request(
+            request_id,
+            list(prompt),
+            params,
+            priority=priority,
+            arrival_step=self.step,
+            arrival_seq=self._arrivals,
+            max_output_tokens=max_output,
+        )
+
+    # -- the step -------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting) or len(self.swapped))
+
+    def schedule(self) -> BatchPlan:
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called twice without update()")
+        cfg = self.config
+        kv = self.kv
+        report = self.report = StepReport(step=self.step)
+        step = _StepBuilder()
+        budget = cfg.max_num_batched_tokens
+
+        if cfg.policy == "priority":
+            self._make_room(step, budget)
+
+        # Running sequences, best first; each may preempt those after it.
+        running = self.running
+        preempted_here = False
+        growth_reserve = 0
+        bs = self.block_size
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > 1:
+                num_new = self._chunk(num_new, budget)
+            while not kv.can_append(seq, num_new):
+                victim = self.victims.choose(running, index)
+                self._preempt(victim, step)
+                preempted_here = True
+                if victim == index:
+                    break
+            else:
+                self._schedule_seq(seq, num_new, step)
+                budget -= num_new
+                if (seq.num_computed_tokens + num_new) % bs == 0:
+                    growth_reserve += 1
+                index += 1
+
+        # Resume swapped and admit waiting sequences, in queue order, no overtaking.
+        if not preempted_here:
+            reserve = self.watermark_blocks + growth_reserve
+            while budget > 0:
+                seq, from_swapped = self._next_candidate()
+                if seq is None or len(running) + seq.slots_needed > cfg.max_num_seqs:
+                    break
+                if from_swapped:
+                    num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                    hits = kv.find_swap_hits(seq)
+                    if not kv.can_swap_in(seq, hits, num_new, reserve):
+                        break
+                    self.swapped.pop()
+                    pairs, cpu_blocks = kv.swap_in(seq, hits)
+                    step.swap_in.extend(pairs)
+                    self._cpu_release.extend(cpu_blocks)
+                    report.swapped_in.append(seq.seq_id)
+                else:
+                    hits = kv.find_prefix(seq)
+                    num_new = self._chunk(seq.num_tokens - len(hits) * bs, budget)
+                    if not kv.can_admit(seq, hits, num_new, reserve):
+                        break
+                    self.waiting.pop()
+                    kv.admit(seq, hits)
+                    report.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
+                seq.status = SeqStatus.RUNNING
+                bisect.insort(running, seq, key=_sort_key)
+                self._schedule_seq(seq, num_new, step)
+                budget -= num_new
+
+        plan = BatchPlan(
+            step=self.step,
+            num_scheduled_tokens=step.num_scheduled,
+            new_seqs=step.new_seqs,
+            block_updates=step.block_updates,
+            freed_seq_ids=self._freed_seq_ids,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
+            copies=step.copies,
+            num_samples=step.num_samples,
+        )
+        self._freed_seq_ids = []
+        self._inflight = step.inflight
+        self._last_plan_tokens = cfg.max_num_batched_tokens - budget
+        self.step += 1
+        return plan
+
+    def _chunk(self, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _next_candidate(self) -> tuple[Sequence | None, bool]:
+        """The best sequence to resume or admit, and whether it is a swapped one."""
+        swapped = self.swapped.peek()
+        waiting = self.waiting.peek()
+        if swapped is not None and (waiting is None or swapped.key < waiting.key):
+            return swapped, True
+        return waiting, False
+
+    def _make_room(self, step: _StepBuilder, budget: int) -> None:
+        """Priority policy: preempt running sequences ranked after the best queued one
+        until its first chunk fits (blocks and sequence slots)."""
+        seq, from_swapped = self._next_candidate()
+        if seq is None or not self.running:
+            return
+        kv = self.kv
+        if from_swapped:
+            hits = kv.find_swap_hits(seq)
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            fits = kv.can_swap_in
+        else:
+            hits = kv.find_prefix(seq)
+            num_new = self._chunk(seq.num_tokens - len(hits) * self.block_size, budget)
+            fits = kv.can_admit
+        while not (
+            fits(seq, hits, num_new, self.watermark_blocks)
+            and len(self.running) + seq.slots_needed <= self.config.max_num_seqs
+        ):
+            victim = self.victims.choose_for_admission(self.running, seq.key)
+            if victim is None:
+                return
+            self._preempt(victim, step)
+
+    def _schedule_seq(self, seq: Sequence, num_new: int, step: _StepBuilder) -> None:
+        appended, cow = self.kv.append(seq, num_new)
+        seq_id = seq.seq_id
+        if cow is not None:
+            step.copies.append((cow[1], cow[2]))
+        if not seq.on_worker:
+            step.new_seqs.append(
+                NewSeq(
+                    seq_id=seq_id,
+                    request_id=seq.request.request_id,
+                    sample_index=seq.sample_index,
+                    token_ids=list(seq.token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_computed_tokens=seq.num_computed_tokens,
+                    block_ids=list(seq.block_table),
+                    sampling=seq.request.params,
+                )
+            )
+            seq.on_worker = True
+        elif appended or cow is not None:
+            step.block_updates.append(
+                BlockUpdate(
+                    seq_id=seq_id,
+                    appended=appended,
+                    replaced=[] if cow is None else [(cow[0], cow[2])],
+                )
+            )
+        step.num_scheduled[seq_id] = num_new
+        step.inflight.append((seq, num_new))
+        if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
+            step.num_samples[seq_id] = 1 + seq.pending_forks
+        if seq.request.first_scheduled_step is None:
+            seq.request.first_scheduled_step = self.step
+
+    def _preempt(self, index: int, step: _StepBuilder) -> None:
+        seq = self.running.pop(index)
+        mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
+        self._forget_on_worker(seq)
+        seq.num_preemptions += 1
+        if mode == "swap":
+            step.swap_out.extend(self.kv.swap_out(seq))
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.push(seq)
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.push(seq)
+        self.preemptions[mode] += 1
+        self.report.preempted.append((seq.seq_id, mode))
+
+    def _forget_on_worker(self, seq: Sequence) -> None:
+        if seq.on_worker:
+            self._freed_seq_ids.append(seq.seq_id)
+            seq.on_worker = False
+
+    # -- results --------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> UpdateOutcome:
+        """Apply one step's sampled tokens; stop and free what finished."""
+        inflight = self._inflight
+        if inflight is None:
+            raise RuntimeError("update() without a scheduled step")
+        if result.step != self.step - 1:
+            raise WorkerProtocolError(f"result for step {result.step}, expected {self.step - 1}")
+        self._inflight = None
+        # The swap-ins of that step have run: their CPU blocks are free again.
+        self.kv.cpu_pool.release(self._cpu_release)
+        self._cpu_release = []
+        sampled = result.sampled_token_ids
+        outcome = UpdateOutcome()
+        running = SeqStatus.RUNNING
+        for seq, num_new in inflight:
+            if seq.status is not running:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk short of the end samples nothing
+            tokens = sampled.get(seq.seq_id)
+            if not tokens or len(tokens) != 1 + seq.pending_forks:
+                raise WorkerProtocolError(
+                    f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
+                )
+            if seq.pending_forks:
+                for index, token in enumerate(tokens[1:], start=1):
+                    child = self._fork(seq, index)
+                    self._append_token(child, token, outcome)
+            self._append_token(seq, tokens[0], outcome)
+        return outcome
+
+    def _fork(self, parent: Sequence, sample_index: int) -> Sequence:
+        request = parent.request
+        child = Sequence(
+            request,
+            sample_index,
+            list(parent.token_ids),
+            self.order.key(request, sample_index),
+        )
+        self.kv.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        child.num_preemptions = parent.num_preemptions
+        request.seqs.append(child)
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_sort_key)
+        parent.pending_forks -= 1
+        return child
+
+    def _append_token(self, seq: Sequence, token: int, outcome: UpdateOutcome) -> None:
+        seq.token_ids.append(token)
+        outcome.advanced.append(seq)
+        request = seq.request
+        params = request.params
+        num_output = seq.num_tokens - seq.num_prompt_tokens
+        if num_output > params.min_tokens and (
+            (token == self.eos_token_id and not params.ignore_eos)
+            or token in params.stop_token_ids
+        ):
+            self._finish(seq, FinishReason.STOP, outcome)
+        elif (
+            num_output >= request.max_output_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            self._finish(seq, FinishReason.LENGTH, outcome)
+
+    # -- ending ---------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        for seq in list(request.seqs):
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def finish_seq(self, seq_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """End one sequence early (a stop string the detokenizer found)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, outcome: UpdateOutcome | None = None
+    ) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.kv.cpu_pool.release(seq.cpu_block_table)
+            seq.cpu_block_table = []
+        self._forget_on_worker(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+        request = seq.request
+        # Samples not forked yet will never be: they end with their parent.
+        unforked, seq.pending_forks = seq.pending_forks, 0
+        request.num_unfinished -= 1 + unforked
+        if outcome is not None:
+            outcome.finished.append(seq)
+        if request.num_unfinished == 0:
+            request.finish_reason = reason
+            del self.requests[request.request_id]
+            self.finished_counts[reason.value] += 1
+            if outcome is not None:
+                outcome.finished_requests.append(request)
+
+    def on_worker_lost(self) -> None:
+        """The device cache is gone: running sequences go back to recompute.
+
+        Swapped sequences keep their K/V in the CPU pool. Call between steps; a step in
+        flight is discarded.
+        """
+        self._inflight = None
+        self.kv.cpu_pool.release(self._cpu_release)
+        self._cpu_release = []
+        for seq in list(self.running):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.on_worker = False
+            seq.status = SeqStatus.WAITING
+            self.waiting.push(seq)
+        self.running.clear()
+        self._freed_seq_ids = []
+        self.kv.pool.reset_prefix_cache()
+
+    # -- introspection --------------------------------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """Every violated invariant, as a sentence; empty when the state is consistent."""
+        problems: list[str] = []
+        cfg = self.config
+        refs = [0] * self.kv.pool.num_blocks
+        cpu_held = list(self._cpu_release)
+        in_queues: dict[str, str] = {}
+        groups = (
+            ("running", self.running, SeqStatus.RUNNING),
+            ("waiting", list(self.waiting), SeqStatus.WAITING),
+            ("swapped", list(self.swapped), SeqStatus.SWAPPED),
+        )
+        for name, seqs, status in groups:
+            for seq in seqs:
+                if seq.seq_id in in_queues:
+                    problems.append(f"{seq.seq_id} is in {in_queues[seq.seq_id]} and {name}")
+                in_queues[seq.seq_id] = name
+                if seq.status is not status:
+                    problems.append(f"{seq.seq_id} is in {name} with status {seq.status.value}")
+                for block in seq.block_table:
+                    refs[block] += 1
+                cpu_held.extend(seq.cpu_block_table)
+                if not 0 <= seq.num_computed_tokens <= seq.num_tokens:
+                    problems.append(f"{seq.seq_id}: computed {seq.num_computed_tokens} tokens")
+                if status is SeqStatus.RUNNING:
+                    covered = len(seq.block_table) * self.block_size
+                    if covered < seq.num_computed_tokens:
+                        problems.append(f"{seq.seq_id}: blocks do not cover computed tokens")
+                elif seq.block_table:
+                    problems.append(f"{seq.seq_id} holds device blocks while {name}")
+                if status is not SeqStatus.SWAPPED and seq.cpu_block_table:
+                    problems.append(f"{seq.seq_id} holds CPU blocks while {name}")
+        if set(in_queues) != set(self.seqs):
+            problems.append("live sequences and queued sequences differ")
+        if [s.key for s in self.running] != sorted(s.key for s in self.running):
+            problems.append("running sequences are out of queue order")
+        if sum(s.slots_needed for s in self.running) > cfg.max_num_seqs:
+            problems.append(f"more than max_num_seqs={cfg.max_num_seqs} running")
+        if self._last_plan_tokens > cfg.max_num_batched_tokens:
+            problems.append(f"last plan scheduled {self._last_plan_tokens} tokens")
+        problems += self.kv.pool.check(refs)
+        problems += self.kv.cpu_pool.check(cpu_held)
+        return problems
+
+    def snapshot(self) -> SchedulerSnapshot:
+        pool = self.kv.pool
+        seqs = [
+            SeqInfo(
+                seq_id=seq.seq_id,
+                request_id=seq.request.request_id,
+                state=seq.status.value,
+                priority=seq.request.priority,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                num_computed_tokens=seq.num_computed_tokens,
+                num_gpu_blocks=len(seq.block_table),
+                num_cpu_blocks=len(seq.cpu_block_table),
+                num_preemptions=seq.num_preemptions,
+            )
+            for seq in (*self.running, *self.swapped, *self.waiting)
+        ]
+        return SchedulerSnapshot(
+            step=self.step,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            gpu_blocks=BlockUsage(
+                total=pool.num_blocks, free=pool.num_free, cached=pool.num_cached_free
+            ),
+            cpu_blocks=BlockUsage(
+                total=self.kv.cpu_pool.num_blocks, free=self.kv.cpu_pool.num_free
+            ),
+            prefix_cache=PrefixCacheStats(
+                queried_tokens=self.kv.queried_tokens, hit_tokens=self.kv.hit_tokens
+            ),
+            preemptions=dict(self.preemptions),
+            finished=dict(self.finished_counts),
+            seqs=seqs,
+        )
+
+
+@dataclass(slots=True)
+class _StepBuilder:
+    """The parts of the plan under construction."""
+
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    inflight: list[tuple[Sequence, int]] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    block_updates: list[BlockUpdate] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    num_samples: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,259 @@
+"""Trace-driven simulation: the real scheduler core stepping a fake worker.
+
+A trace is JSON Lines, one request per line::
+
+    {"id": "r1", "arrival_step": 0, "prompt_len": 100, "max_tokens": 32,
+     "priority": 0, "n": 1, "eos_at": 5, "abort_step": 40}
+
+``prompt_token_ids`` may replace ``prompt_len`` (for shared prefixes); ``priority``
+(lower runs first), ``n``, ``eos_at`` (the k-th output token, 1-based, is EOS) and
+``abort_step`` (the client aborts before that step) are optional.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.request import RejectedError
+from scheduler_svc.scheduler import Scheduler
+from shared.config import SchedulerConfig
+from shared.sampling import SamplingParams
+
+DEFAULT_KV_BYTES_PER_BLOCK = 2 * 1024 * 1024
+"""A 16-token block of an 8B GQA model (32 layers, 8 KV heads of 128, bf16)."""
+
+
+class TraceError(ValueError):
+    """A trace line that is not a valid request."""
+
+
+class TraceRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    arrival_step: int = 0
+    prompt_len: int | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    priority: int = 0
+    n: int = 1
+    eos_at: int | None = None
+    abort_step: int | None = None
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, n=self.n, temperature=0.0)
+
+
+def parse_trace(lines: Iterable[str], source: str = "trace") -> list[TraceRequest]:
+    requests: list[TraceRequest] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{source}:{number}"
+        try:
+            req = msgspec.json.decode(line, type=TraceRequest)
+        except msgspec.DecodeError as exc:
+            raise TraceError(f"{where}: {exc}") from None
+        if (req.prompt_len is None) == (req.prompt_token_ids is None):
+            raise TraceError(f"{where}: give exactly one of prompt_len and prompt_token_ids")
+        if req.prompt_len is not None and req.prompt_len < 1:
+            raise TraceError(f"{where}: prompt_len must be >= 1")
+        if req.arrival_step < 0 or (req.abort_step is not None and req.abort_step < 0):
+            raise TraceError(f"{where}: steps must be >= 0")
+        if req.eos_at is not None and req.eos_at < 1:
+            raise TraceError(f"{where}: eos_at is 1-based and must be >= 1")
+        if req.id in seen:
+            raise TraceError(f"{where}: duplicate id {req.id!r}")
+        seen.add(req.id)
+        requests.append(req)
+    return requests
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    return parse_trace(text.splitlines(), str(path))
+
+
+@dataclass
+class SimResult:
+    summary: dict[str, Any]
+    outputs: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """request id -> sequence id -> output tokens (finished or aborted requests)."""
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[rank]
+
+
+class Simulation:
+    """Runs one trace; :meth:`run` returns the summary and every output."""
+
+    def __init__(
+        self,
+        trace: list[TraceRequest],
+        config: SchedulerConfig,
+        *,
+        kv_bytes_per_block: int = DEFAULT_KV_BYTES_PER_BLOCK,
+        verify_kv: bool = False,
+        check_invariants: bool = True,
+        max_steps: int | None = None,
+    ) -> None:
+        if config.num_gpu_blocks is None:
+            raise ValueError("simulation needs num_gpu_blocks")
+        self.trace = sorted(trace, key=lambda r: r.arrival_step)
+        self.config = config
+        self.model = FakeModel(eos_at={r.id: r.eos_at for r in trace if r.eos_at is not None})
+        self.scheduler = Scheduler(
+            config, eos_token_id=self.model.eos_token_id, kv_bytes_per_block=kv_bytes_per_block
+        )
+        self.worker = FakeWorker(
+            self.model,
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            num_cpu_blocks=config.num_cpu_blocks,
+            verify_kv=verify_kv,
+        )
+        self.check = check_invariants
+        total_tokens = sum(
+            (r.prompt_len or len(r.prompt_token_ids or ())) + r.max_tokens * r.n for r in trace
+        )
+        last_arrival = max((r.arrival_step for r in trace), default=0)
+        self.max_steps = max_steps or last_arrival + 20 * total_tokens + 100
+
+    def prompt_of(self, req: TraceRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        return self.model.prompt(req.id, req.prompt_len or 0)
+
+    def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> SimResult:
+        sched = self.scheduler
+        result = SimResult(summary={})
+        aborts: dict[int, list[str]] = defaultdict(list)
+        for req in self.trace:
+            if req.abort_step is not None:
+                aborts[req.abort_step].append(req.id)
+        priority_of = {r.id: r.priority for r in self.trace}
+        arrival_of = {r.id: r.arrival_step for r in self.trace}
+        pending = list(reversed(self.trace))
+        requests = {}
+        step_times: list[float] = []
+        generated = 0
+        invariants_ok = True
+        preempted_ids: set[str] = set()
+
+        while pending or sched.has_work():
+            step = sched.step
+            if step >= self.max_steps:
+                raise RuntimeError(f"simulation made no progress within {self.max_steps} steps")
+            record_finished: list[dict[str, str]] = []
+            record_rejected: list[dict[str, str]] = []
+            while pending and pending[-1].arrival_step <= step:
+                req = pending.pop()
+                try:
+                    requests[req.id] = sched.add_request(
+                        req.id, self.prompt_of(req), req.params(), priority=req.priority
+                    )
+                except RejectedError as exc:
+                    result.rejected[req.id] = exc.message
+                    record_rejected.append({"id": req.id, "reason": exc.message})
+            for request_id in aborts.pop(step, ()):
+                if sched.abort(request_id):
+                    record_finished.append({"id": request_id, "reason": "abort"})
+
+            started = time.perf_counter()
+            plan = sched.schedule()
+            scheduled_s = time.perf_counter() - started
+            step_result = self.worker.execute(plan)
+            started = time.perf_counter()
+            outcome = sched.update(step_result)
+            step_times.append(scheduled_s + time.perf_counter() - started)
+
+            generated += len(outcome.advanced)
+            for request in outcome.finished_requests:
+                record_finished.append(
+                    {"id": request.request_id, "reason": str(request.finish_reason)}
+                )
+            if self.check:
+                problems = sched.check_invariants()
+                if problems:
+                    invariants_ok = False
+                    raise AssertionError(f"step {step}: " + "; ".join(problems))
+            report = sched.report
+            preempted_ids.update(seq_id for seq_id, _ in report.preempted)
+            if on_step is not None:
+                on_step(
+                    {
+                        "step": step,
+                        "scheduled": dict(plan.num_scheduled_tokens),
+                        "preempted": [{"id": s, "mode": m} for s, m in report.preempted],
+                        "swapped_in": list(report.swapped_in),
+                        "finished": record_finished,
+                        "rejected": record_rejected,
+                        "free_gpu_blocks": sched.kv.pool.num_free,
+                        "free_cpu_blocks": sched.kv.cpu_pool.num_free,
+                        "num_running": len(sched.running),
+                        "num_waiting": len(sched.waiting),
+                        "num_swapped": len(sched.swapped),
+                        "prefix_hit_tokens": dict(report.prefix_hit_tokens),
+                    }
+                )
+
+        waits: dict[int, list[float]] = defaultdict(list)
+        for request_id, request in requests.items():
+            result.outputs[request_id] = {s.seq_id: s.output_token_ids for s in request.seqs}
+            result.finish_reasons[request_id] = str(request.finish_reason)
+            if request.first_scheduled_step is not None:
+                waits[priority_of[request_id]].append(
+                    request.first_scheduled_step - arrival_of[request_id]
+                )
+        micros = [t * 1e6 for t in step_times]
+        result.summary = {
+            "steps": sched.step,
+            "generated_tokens": generated,
+            "finished": len(requests),
+            "rejected": len(result.rejected),
+            "preemptions": dict(sched.preemptions),
+            "wait_steps": {
+                str(p): {"max": max(w), "p99": _percentile(w, 99)} for p, w in sorted(waits.items())
+            },
+            "step_time_us": {
+                "mean": sum(micros) / len(micros) if micros else 0.0,
+                "p50": _percentile(micros, 50),
+                "p99": _percentile(micros, 99),
+            },
+            "invariants_ok": invariants_ok if self.check else None,
+            "leftover_blocks": {
+                "gpu_in_use": sched.kv.pool.num_blocks - sched.kv.pool.num_free,
+                "cpu_in_use": sched.kv.cpu_pool.num_blocks - sched.kv.cpu_pool.num_free,
+            },
+        }
+        return result
+
+
+def write_steps(path: Path) -> tuple[Callable[[dict[str, Any]], None], Callable[[], None]]:
+    """An ``on_step`` callback writing JSON Lines to ``path``, and its closer."""
+    handle = path.open("w")
+
+    def on_step(record: dict[str, Any]) -> None:
+        handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    return on_step, handle.close
