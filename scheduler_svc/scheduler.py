@@ -114,6 +114,8 @@ class Scheduler:
         self.swapped = SeqQueue()
         self.running: list[Sequence] = []
         """In queue order (best first)."""
+        self._running_forks = 0
+        """Samples still to fork from running sequences: slots they already hold."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
         self.seqs: dict[str, Sequence] = {}
@@ -218,7 +220,15 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or len(self.swapped))
+        """Whether a plan is due: sequences to run, or ended ones the workers must drop."""
+        return bool(
+            self.running or len(self.waiting) or len(self.swapped) or self._freed_seq_ids
+        )
+
+    @property
+    def num_running_slots(self) -> int:
+        """Running sequences, counting the n>1 samples they will fork."""
+        return len(self.running) + self._running_forks
 
     def schedule(self) -> BatchPlan:
         if self._inflight is not None:
@@ -261,7 +271,7 @@ class Scheduler:
             reserve = self.watermark_blocks + growth_reserve
             while budget > 0:
                 seq, from_swapped = self._next_candidate()
-                if seq is None or len(running) + seq.slots_needed > cfg.max_num_seqs:
+                if seq is None or self.num_running_slots + seq.slots_needed > cfg.max_num_seqs:
                     break
                 if from_swapped:
                     num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -283,6 +293,7 @@ class Scheduler:
                     report.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
                 seq.status = SeqStatus.RUNNING
                 bisect.insort(running, seq, key=_sort_key)
+                self._running_forks += seq.pending_forks
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
 
@@ -334,7 +345,7 @@ class Scheduler:
             fits = kv.can_admit
         while not (
             fits(seq, hits, num_new, self.watermark_blocks)
-            and len(self.running) + seq.slots_needed <= self.config.max_num_seqs
+            and self.num_running_slots + seq.slots_needed <= self.config.max_num_seqs
         ):
             victim = self.victims.choose_for_admission(self.running, seq.key)
             if victim is None:
@@ -377,6 +388,7 @@ class Scheduler:
 
     def _preempt(self, index: int, step: _StepBuilder) -> None:
         seq = self.running.pop(index)
+        self._running_forks -= seq.pending_forks
         mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
         self._forget_on_worker(seq)
         seq.num_preemptions += 1
@@ -446,6 +458,7 @@ class Scheduler:
         self.seqs[child.seq_id] = child
         bisect.insort(self.running, child, key=_sort_key)
         parent.pending_forks -= 1
+        self._running_forks -= 1
         return child
 
     def _append_token(self, seq: Sequence, token: int, outcome: UpdateOutcome) -> None:
@@ -490,6 +503,7 @@ class Scheduler:
     ) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._running_forks -= seq.pending_forks
             self.kv.free(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
@@ -530,6 +544,7 @@ class Scheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.push(seq)
         self.running.clear()
+        self._running_forks = 0
         self._freed_seq_ids = []
         self.kv.pool.reset_prefix_cache()
 
@@ -571,7 +586,10 @@ class Scheduler:
             problems.append("live sequences and queued sequences differ")
         if [s.key for s in self.running] != sorted(s.key for s in self.running):
             problems.append("running sequences are out of queue order")
-        if sum(s.slots_needed for s in self.running) > cfg.max_num_seqs:
+        slots = sum(s.slots_needed for s in self.running)
+        if slots != self.num_running_slots:
+            problems.append(f"running slots counted {self.num_running_slots}, actual {slots}")
+        if slots > cfg.max_num_seqs:
             problems.append(f"more than max_num_seqs={cfg.max_num_seqs} running")
         if self._last_plan_tokens > cfg.max_num_batched_tokens:
             problems.append(f"last plan scheduled {self._last_plan_tokens} tokens")
