@@ -93,6 +93,8 @@ class SimResult:
     outputs: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """request id -> sequence id -> output tokens (finished or aborted requests)."""
     finish_reasons: dict[str, str] = field(default_factory=dict)
+    """request id -> reason its last sequence ended with."""
+    seq_finish_reasons: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
 
 
@@ -221,6 +223,8 @@ class Simulation:
         for request_id, request in requests.items():
             result.outputs[request_id] = {s.seq_id: s.output_token_ids for s in request.seqs}
             result.finish_reasons[request_id] = str(request.finish_reason)
+            for seq in request.seqs:
+                result.seq_finish_reasons[seq.seq_id] = str(seq.finish_reason)
             if request.first_scheduled_step is not None:
                 waits[priority_of[request_id]].append(
                     request.first_scheduled_step - arrival_of[request_id]
