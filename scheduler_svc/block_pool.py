@@ -13,15 +13,21 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 BlockKey = tuple[int, tuple[int, ...]]
-"""(parent block hash, this block's tokens): what a cached block's content is."""
+"""(block holding the previous block of the prefix, this block's tokens).
+
+A cached block's K/V depend on its whole prefix. The key names the prefix by the block
+that holds it, and a lookup walks a prompt from its first block, confirming each block
+before trying the next; by induction a confirmed key identifies the whole prefix
+exactly, so a hash collision can cost a hit but never hand out wrong K/V.
+"""
+
+NO_PARENT = -1
 
 
 def chain_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """Content hash of a full block, chained to the hash of the block before it.
 
     Ints and tuples of ints hash identically in every process (no hash seed applies).
-    A hit is confirmed by comparing the stored parent hash and tokens, so a collision
-    can never hand out the wrong K/V.
     """
     return hash((parent_hash, tokens))
 

@@ -13,7 +13,7 @@ share them.
 
 from __future__ import annotations
 
-from scheduler_svc.block_pool import BlockKey, CpuBlockPool, DeviceBlockPool, chain_hash
+from scheduler_svc.block_pool import NO_PARENT, CpuBlockPool, DeviceBlockPool, chain_hash
 from scheduler_svc.request import Sequence
 
 CopyOnWrite = tuple[int, int, int]
@@ -41,27 +41,30 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def _block_key(self, seq: Sequence, index: int) -> BlockKey:
+    def _tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         bs = self.block_size
-        parent = seq.block_hashes[index - 1] if index else 0
-        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
+        return tuple(seq.token_ids[index * bs : (index + 1) * bs])
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         hashes = seq.block_hashes
         for index in range(len(hashes), num_blocks):
-            hashes.append(chain_hash(*self._block_key(seq, index)))
+            parent = hashes[index - 1] if index else 0
+            hashes.append(chain_hash(parent, self._tokens(seq, index)))
 
     def find_cached(self, seq: Sequence, max_blocks: int) -> list[int]:
         """Leading full blocks of ``seq`` whose content the device cache holds."""
         if not self.enable_prefix_caching or max_blocks <= 0:
             return []
         self._extend_hashes(seq, max_blocks)
-        hits = []
+        hits: list[int] = []
+        parent = NO_PARENT
         for index in range(max_blocks):
-            block = self.pool.lookup(seq.block_hashes[index], self._block_key(seq, index))
+            key = (parent, self._tokens(seq, index))
+            block = self.pool.lookup(seq.block_hashes[index], key)
             if block is None:
                 break
             hits.append(block)
+            parent = block
         return hits
 
     def find_prefix(self, seq: Sequence) -> list[int]:
@@ -75,7 +78,8 @@ class KVCacheManager:
         self._extend_hashes(seq, full)
         table = seq.block_table
         for index in range(seq.num_cached_blocks, full):
-            self.pool.cache(table[index], seq.block_hashes[index], self._block_key(seq, index))
+            key = (table[index - 1] if index else NO_PARENT, self._tokens(seq, index))
+            self.pool.cache(table[index], seq.block_hashes[index], key)
         seq.num_cached_blocks = full
 
     # -- admission and growth -----------------------------------------------------------

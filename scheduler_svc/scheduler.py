@@ -98,6 +98,7 @@ class Scheduler:
         self.config = config
         self.eos_token_id = eos_token_id
         self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(
             block_size=config.block_size,
             num_gpu_blocks=config.num_gpu_blocks,
@@ -247,10 +248,28 @@ class Scheduler:
         preempted_here = False
         growth_reserve = 0
         bs = self.block_size
+        ref_cnt = kv.pool.ref_cnt
+        num_scheduled = step.num_scheduled
+        inflight = step.inflight
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - computed
+            if (
+                num_new == 1
+                and computed % bs
+                and (computed + 1) % bs
+                and seq.on_worker
+                and not seq.pending_forks
+                and ref_cnt[seq.block_table[computed // bs]] == 1
+            ):
+                # A decode inside its own partial block: no block, copy or cache change.
+                num_scheduled[seq.seq_id] = 1
+                inflight.append((seq, 1))
+                budget -= 1
+                index += 1
+                continue
             if num_new > 1:
                 num_new = self._chunk(num_new, budget)
             while not kv.can_append(seq, num_new):
@@ -462,20 +481,18 @@ class Scheduler:
         return child
 
     def _append_token(self, seq: Sequence, token: int, outcome: UpdateOutcome) -> None:
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         outcome.advanced.append(seq)
         request = seq.request
         params = request.params
-        num_output = seq.num_tokens - seq.num_prompt_tokens
+        num_output = len(token_ids) - seq.num_prompt_tokens
         if num_output > params.min_tokens and (
             (token == self.eos_token_id and not params.ignore_eos)
             or token in params.stop_token_ids
         ):
             self._finish(seq, FinishReason.STOP, outcome)
-        elif (
-            num_output >= request.max_output_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
+        elif num_output >= request.max_output_tokens or len(token_ids) >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH, outcome)
 
     # -- ending ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ def generate_trace(
     abort_fraction: float = 0.0,
     shared_prefixes: int = 0,
     shared_prefix_len: int = 256,
+    id_prefix: str = "req-",
 ) -> list[TraceRequest]:
     """Requests with uniform prompt and output lengths.
 
@@ -56,7 +57,7 @@ def generate_trace(
             prompt_ids = prefix + [rng.randrange(3, 32000) for _ in range(suffix_len)]
         trace.append(
             TraceRequest(
-                id=f"req-{index}",
+                id=f"{id_prefix}{index}",
                 arrival_step=arrival,
                 prompt_len=None if prompt_ids else length,
                 prompt_token_ids=prompt_ids,

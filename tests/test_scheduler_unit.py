@@ -1,0 +1,738 @@
+"""Deterministic scenarios: the real Scheduler stepping a FakeWorker that verifies K/V.
+
+Every step runs ``schedule() -> worker.execute(plan) -> update(result)`` and then checks
+the scheduler's invariants and the plan's budgets.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.schema import BatchPlan, StepResult
+from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
+from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from shared.config import SchedulerConfig
+from shared.sampling import SamplingParams
+
+BS = 4
+
+
+class Harness:
+    def __init__(self, eos_at: dict[str, int] | None = None, **config: object) -> None:
+        defaults: dict[str, object] = {
+            "block_size": BS,
+            "num_gpu_blocks": 64,
+            "num_cpu_blocks": 0,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 64,
+            "max_model_len": 128,
+            "watermark": 0.0,
+        }
+        defaults.update(config)
+        self.cfg = SchedulerConfig(**defaults)  # type: ignore[arg-type]
+        self.model = FakeModel(eos_at=eos_at)
+        self.sched = Scheduler(
+            self.cfg, eos_token_id=self.model.eos_token_id, kv_bytes_per_block=1 << 20
+        )
+        self.worker = FakeWorker(
+            self.model,
+            block_size=self.cfg.block_size,
+            num_gpu_blocks=self.cfg.num_gpu_blocks or 0,
+            num_cpu_blocks=self.cfg.num_cpu_blocks,
+            verify_kv=True,
+        )
+        self.plans: list[BatchPlan] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(
+        self,
+        request_id: str,
+        prompt: int | list[int],
+        *,
+        priority: int = 0,
+        **params: object,
+    ) -> Request:
+        tokens = self.model.prompt(request_id, prompt) if isinstance(prompt, int) else prompt
+        params.setdefault("temperature", 0.0)
+        request = self.sched.add_request(
+            request_id,
+            tokens,
+            SamplingParams(**params),  # type: ignore[arg-type]
+            priority=priority,
+        )
+        self.requests[request_id] = request
+        return request
+
+    def check(self, plan: BatchPlan | None = None) -> None:
+        assert self.sched.check_invariants() == []
+        if plan is not None:
+            assert plan.total_tokens <= self.cfg.max_num_batched_tokens
+            assert len(plan.num_scheduled_tokens) <= self.cfg.max_num_seqs
+            assert sum(s.slots_needed for s in self.sched.running) <= self.cfg.max_num_seqs
+
+    def step(self) -> tuple[BatchPlan, StepResult, UpdateOutcome]:
+        plan = self.sched.schedule()
+        self.check(plan)
+        result = self.worker.execute(plan)
+        outcome = self.sched.update(result)
+        self.plans.append(plan)
+        self.check(plan)
+        return plan, result, outcome
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError(f"no end within {max_steps} steps")
+
+    def reference(self, request: Request, sample_index: int = 0) -> tuple[list[int], str]:
+        return self.model.reference_output(
+            request.request_id,
+            sample_index,
+            len(request.prompt_token_ids),
+            request.params,
+            self.cfg.max_model_len,
+        )
+
+    def assert_reference_outputs(self) -> None:
+        for request in self.requests.values():
+            assert request.finished, request.request_id
+            assert len(request.seqs) == request.params.n
+            for seq in request.seqs:
+                tokens, reason = self.reference(request, seq.sample_index)
+                assert seq.output_token_ids == tokens, seq.seq_id
+                assert seq.finish_reason == reason, seq.seq_id
+
+
+# --------------------------------------------------------------------------- rejection
+
+
+def rejected(h: Harness, request_id: str, prompt: int | list[int], **params: object):
+    with pytest.raises(RejectedError) as info:
+        h.add(request_id, prompt, **params)
+    return info.value
+
+
+def test_rejects_prompt_plus_max_tokens_beyond_max_model_len() -> None:
+    h = Harness(max_model_len=32)
+    error = rejected(h, "r", 10, max_tokens=30)
+    assert error.code == "too_long"
+    assert "40" in error.message and "32" in error.message
+    assert "r" not in h.sched.requests
+    assert h.sched.finished_counts["rejected"] == 1
+
+
+def test_rejects_a_prompt_that_fills_max_model_len() -> None:
+    h = Harness(max_model_len=32)
+    error = rejected(h, "r", 32, max_tokens=None)
+    assert error.code == "too_long"
+    assert "32" in error.message
+
+
+def test_rejects_a_request_needing_more_blocks_than_the_pool() -> None:
+    h = Harness(num_gpu_blocks=4, max_model_len=64)
+    error = rejected(h, "r", 10, max_tokens=10)  # 20 tokens = 5 blocks
+    assert error.code == "too_long"
+    assert "5" in error.message and "4" in error.message
+    h.add("ok", 10, max_tokens=6)  # 16 tokens = 4 blocks: fits exactly
+
+
+def test_rejects_a_duplicate_id_and_keeps_the_original() -> None:
+    h = Harness()
+    first = h.add("r", 5, max_tokens=2)
+    error = rejected(h, "r", 5, max_tokens=2)
+    assert error.code == "invalid"
+    assert "'r'" in error.message
+    assert h.sched.requests["r"] is first
+    assert len(h.sched.waiting) == 1
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_rejects_a_sample_id_clash() -> None:
+    h = Harness()
+    h.add("x/1", 5, max_tokens=2)
+    error = rejected(h, "x", 5, max_tokens=2, n=2)
+    assert error.code == "invalid"
+    assert "x/1" in error.message
+
+
+@pytest.mark.parametrize("prompt", [[], [1, -2, 3]])
+def test_rejects_bad_prompts(prompt: list[int]) -> None:
+    h = Harness()
+    error = rejected(h, "r", prompt)
+    assert error.code == "invalid"
+    assert "prompt_token_ids" in error.message
+
+
+def test_rejects_n_beyond_max_num_seqs() -> None:
+    h = Harness(max_num_seqs=2)
+    error = rejected(h, "r", 5, max_tokens=2, n=3)
+    assert error.code == "invalid"
+    assert "n=3" in error.message and "max_num_seqs=2" in error.message
+    h.add("ok", 5, max_tokens=2, n=2)
+
+
+def test_rejects_when_the_waiting_queue_is_full() -> None:
+    h = Harness(max_waiting_requests=2)
+    h.add("a", 5, max_tokens=2)
+    h.add("b", 5, max_tokens=2)
+    error = rejected(h, "c", 5, max_tokens=2)
+    assert error.code == "overloaded"
+    assert "2" in error.message
+    assert h.sched.finished_counts["rejected"] == 1
+    h.step()  # both admitted: the queue has room again
+    h.add("c", 5, max_tokens=2)
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_rejects_a_non_integer_priority() -> None:
+    h = Harness()
+    with pytest.raises(RejectedError) as info:
+        h.sched.add_request("r", [1, 2], SamplingParams(), priority=1.5)  # type: ignore[arg-type]
+    assert info.value.code == "invalid"
+
+
+# --------------------------------------------------------------------------- chunked prefill
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
+    h = Harness(max_num_batched_tokens=32, max_model_len=128)
+    request = h.add("r", 100, max_tokens=3)
+    seq = request.seqs[0]
+    chunks = []
+    for expected_computed in (32, 64, 96):
+        plan, result, outcome = h.step()
+        chunks.append(plan.num_scheduled_tokens["r"])
+        assert result.sampled_token_ids == {}
+        assert outcome.advanced == []
+        assert seq.num_computed_tokens == expected_computed
+        assert seq.num_output_tokens == 0
+    plan, result, outcome = h.step()
+    chunks.append(plan.num_scheduled_tokens["r"])
+    assert chunks == [32, 32, 32, 4]
+    assert list(result.sampled_token_ids) == ["r"]
+    assert outcome.advanced == [seq]
+    assert seq.num_output_tokens == 1
+    # The first chunk sends the sequence in full, later ones only grow its table.
+    assert [n.seq_id for n in h.plans[0].new_seqs] == ["r"]
+    assert all(p.new_seqs == [] for p in h.plans[1:])
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_long_prefill_token_threshold_caps_a_chunk() -> None:
+    h = Harness(max_num_batched_tokens=32, long_prefill_token_threshold=10)
+    h.add("r", 25, max_tokens=2)
+    h.add("s", 6, max_tokens=2)
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"r": 10, "s": 6}
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens["r"] == 10
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens["r"] == 5
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_token_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    for name in ("a", "b", "c"):
+        h.add(name, 10, max_tokens=4)
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"a": 10, "b": 6}
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 11 - 0 - 1}
+    h.run()
+    assert all(p.total_tokens <= 16 for p in h.plans)
+    assert max(p.total_tokens for p in h.plans) == 16
+    h.assert_reference_outputs()
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    h = Harness(max_num_seqs=2)
+    for name in ("a", "b", "c", "d"):
+        h.add(name, 5, max_tokens=3)
+    plan, _, _ = h.step()
+    assert set(plan.num_scheduled_tokens) == {"a", "b"}
+    assert len(h.sched.waiting) == 2
+    h.run()
+    assert all(len(p.num_scheduled_tokens) <= 2 for p in h.plans)
+    h.assert_reference_outputs()
+
+
+def test_max_num_seqs_counts_samples_still_to_fork() -> None:
+    # "a" (n=3) is still in chunked prefill: its two unforked samples hold slots.
+    h = Harness(max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    h.add("a", 20, max_tokens=2, n=3)
+    h.add("b", 4, max_tokens=2)
+    h.add("c", 4, max_tokens=2)
+    plan, _, _ = h.step()
+    assert set(plan.num_scheduled_tokens) == {"a/0", "b"}
+    h.run()
+    h.assert_reference_outputs()
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_eos_stops_the_request() -> None:
+    h = Harness(eos_at={"r": 3})
+    request = h.add("r", 6, max_tokens=10)
+    h.run()
+    seq = request.seqs[0]
+    assert seq.num_output_tokens == 3
+    assert seq.output_token_ids[-1] == h.model.eos_token_id
+    assert request.finish_reason == FinishReason.STOP
+    assert h.sched.finished_counts["stop"] == 1
+    h.assert_reference_outputs()
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    h = Harness(eos_at={"r": 3})
+    request = h.add("r", 6, max_tokens=6, ignore_eos=True)
+    h.run()
+    seq = request.seqs[0]
+    assert seq.num_output_tokens == 6
+    assert seq.output_token_ids[2] == h.model.eos_token_id
+    assert request.finish_reason == FinishReason.LENGTH
+    h.assert_reference_outputs()
+
+
+def test_min_tokens_suppresses_an_early_eos() -> None:
+    h = Harness()
+    eos = h.model.eos_token_id
+    request = h.add("r", 6, max_tokens=8, min_tokens=2)
+    seq = request.seqs[0]
+    h.sched.schedule()
+    h.sched.update(StepResult(step=0, sampled_token_ids={"r": [eos]}))
+    assert seq.status is SeqStatus.RUNNING
+    h.sched.schedule()
+    h.sched.update(StepResult(step=1, sampled_token_ids={"r": [eos]}))
+    assert seq.status is SeqStatus.RUNNING  # 2 outputs, min_tokens=2: still too early
+    h.sched.schedule()
+    outcome = h.sched.update(StepResult(step=2, sampled_token_ids={"r": [eos]}))
+    assert seq.finish_reason == FinishReason.STOP
+    assert outcome.finished_requests == [request]
+    assert seq.output_token_ids == [eos, eos, eos]
+    assert h.sched.check_invariants() == []
+
+
+def test_stop_token_ids_stop_the_request() -> None:
+    probe = Harness()
+    probe_request = probe.add("r", 6, max_tokens=8)
+    tokens, _ = probe.reference(probe_request)
+
+    h = Harness()
+    request = h.add("r", 6, max_tokens=8, stop_token_ids=[tokens[2]])
+    h.run()
+    assert request.seqs[0].output_token_ids == tokens[:3]
+    assert request.finish_reason == FinishReason.STOP
+    h.assert_reference_outputs()
+
+
+def test_min_tokens_suppresses_an_early_stop_token() -> None:
+    probe = Harness()
+    tokens, _ = probe.reference(probe.add("r", 6, max_tokens=8))
+    h = Harness()
+    request = h.add("r", 6, max_tokens=8, min_tokens=3, stop_token_ids=[tokens[1]])
+    h.run()
+    output = request.seqs[0].output_token_ids
+    assert len(output) > 2
+    assert output[:2] == tokens[:2]
+    h.assert_reference_outputs()
+
+
+def test_max_tokens_ends_with_length() -> None:
+    h = Harness()
+    request = h.add("r", 6, max_tokens=5)
+    h.run()
+    assert request.seqs[0].num_output_tokens == 5
+    assert request.finish_reason == FinishReason.LENGTH
+    assert h.sched.finished_counts["length"] == 1
+    h.assert_reference_outputs()
+
+
+def test_max_model_len_ends_with_length() -> None:
+    h = Harness(max_model_len=16)
+    request = h.add("r", 10, max_tokens=None)
+    h.run()
+    assert request.seqs[0].num_tokens == 16
+    assert request.seqs[0].num_output_tokens == 6
+    assert request.finish_reason == FinishReason.LENGTH
+    h.assert_reference_outputs()
+
+
+def test_finished_requests_free_their_blocks() -> None:
+    h = Harness(num_gpu_blocks=16)
+    h.add("a", 9, max_tokens=4)
+    h.add("b", 7, max_tokens=3)
+    h.run()
+    assert h.sched.kv.pool.num_free == 16
+    assert h.sched.requests == {}
+    assert h.sched.seqs == {}
+    assert h.worker.seqs == {}  # the worker was told to drop both
+
+
+# --------------------------------------------------------------------------- abort
+
+
+def test_abort_a_waiting_request() -> None:
+    h = Harness()
+    request = h.add("r", 6, max_tokens=4)
+    h.add("s", 6, max_tokens=2)
+    assert h.sched.abort("r") is True
+    assert h.sched.abort("r") is False
+    assert request.finish_reason == FinishReason.ABORT
+    assert request.seqs[0].status is SeqStatus.FINISHED
+    assert len(h.sched.waiting) == 1
+    assert h.sched.finished_counts["abort"] == 1
+    h.check()
+    plan, _, _ = h.step()
+    assert "r" not in plan.num_scheduled_tokens
+    assert plan.freed_seq_ids == []  # never reached the worker
+    del h.requests["r"]
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_abort_a_running_request_frees_blocks_and_tells_the_worker() -> None:
+    h = Harness(num_gpu_blocks=16)
+    request = h.add("r", 10, max_tokens=8)
+    h.step()
+    h.step()
+    assert h.sched.kv.pool.num_free == 13
+    assert h.sched.abort("r") is True
+    assert h.sched.abort("r") is False
+    assert request.seqs[0].block_table == []
+    assert h.sched.kv.pool.num_free == 16
+    h.check()
+    plan = h.sched.schedule()
+    assert plan.freed_seq_ids == ["r"]
+    assert plan.num_scheduled_tokens == {}
+    h.sched.update(h.worker.execute(plan))
+    assert "r" not in h.worker.seqs
+    h.check()
+    plan = h.sched.schedule()
+    assert plan.freed_seq_ids == []  # told once
+
+
+def test_abort_while_the_step_is_in_flight() -> None:
+    h = Harness()
+    h.add("r", 6, max_tokens=8)
+    h.add("s", 6, max_tokens=3)
+    h.step()
+    plan = h.sched.schedule()
+    assert "r" in plan.num_scheduled_tokens
+    assert h.sched.abort("r") is True
+    result = h.worker.execute(plan)
+    outcome = h.sched.update(result)
+    assert all(seq.seq_id != "r" for seq in outcome.advanced)
+    h.check()
+    assert h.requests["r"].seqs[0].num_output_tokens == 1
+    plan, _, _ = h.step()
+    assert plan.freed_seq_ids == ["r"]
+    del h.requests["r"]
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_abort_a_swapped_request_releases_its_cpu_blocks() -> None:
+    h = Harness(
+        num_gpu_blocks=8, num_cpu_blocks=32, preemption_mode="swap", max_num_batched_tokens=64
+    )
+    h.add("a", 8, max_tokens=12)
+    b = h.add("b", 8, max_tokens=12)
+    for _ in range(40):
+        h.step()
+        if b.seqs[0].status is SeqStatus.SWAPPED:
+            break
+    seq = b.seqs[0]
+    assert seq.status is SeqStatus.SWAPPED
+    assert seq.cpu_block_table
+    assert h.sched.abort("b") is True
+    assert h.sched.abort("b") is False
+    assert seq.cpu_block_table == []
+    assert len(h.sched.swapped) == 0
+    assert b.finish_reason == FinishReason.ABORT
+    h.check()
+    del h.requests["b"]
+    h.run()
+    assert h.sched.kv.cpu_pool.num_free == 32
+    assert h.sched.kv.pool.num_free == 8
+    h.assert_reference_outputs()
+
+
+def test_abort_unknown_request_returns_false() -> None:
+    assert Harness().sched.abort("nope") is False
+
+
+# --------------------------------------------------------------------------- prefix sharing
+
+
+def test_identical_prompts_admitted_together_share_blocks() -> None:
+    h = Harness()
+    prompt = h.model.prompt("p", 10)
+    a = h.add("a", prompt, max_tokens=4)
+    b = h.add("b", prompt, max_tokens=4)
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"a": 10, "b": 2}
+    assert h.sched.report.prefix_hit_tokens == {"a": 0, "b": 8}
+    a_table, b_table = a.seqs[0].block_table, b.seqs[0].block_table
+    assert a_table[:2] == b_table[:2]
+    assert a_table[2] != b_table[2]
+    ref_cnt = h.sched.kv.pool.ref_cnt
+    assert [ref_cnt[x] for x in a_table] == [2, 2, 1]
+    assert ref_cnt[b_table[2]] == 1
+    new_b = next(n for n in plan.new_seqs if n.seq_id == "b")
+    assert new_b.num_computed_tokens == 8
+    assert new_b.block_ids == b_table
+    h.run()
+    h.assert_reference_outputs()
+
+
+@pytest.mark.parametrize("length", [10, 12, 13])
+def test_a_later_identical_prompt_hits_the_prefix_cache(length: int) -> None:
+    h = Harness()
+    prompt = h.model.prompt("p", length)
+    h.add("a", prompt, max_tokens=3)
+    h.run()
+    h.add("c", prompt, max_tokens=3)
+    plan, _, _ = h.step()
+    expected = (length - 1) // BS * BS
+    assert h.sched.report.prefix_hit_tokens == {"c": expected}
+    assert plan.num_scheduled_tokens == {"c": length - expected}
+    assert h.sched.kv.hit_tokens == expected
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_no_prefix_hits_with_prefix_caching_disabled() -> None:
+    h = Harness(enable_prefix_caching=False)
+    prompt = h.model.prompt("p", 10)
+    a = h.add("a", prompt, max_tokens=3)
+    b = h.add("b", prompt, max_tokens=3)
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"a": 10, "b": 10}
+    assert h.sched.report.prefix_hit_tokens == {"a": 0, "b": 0}
+    assert not set(a.seqs[0].block_table) & set(b.seqs[0].block_table)
+    h.run()
+    h.assert_reference_outputs()
+
+
+# --------------------------------------------------------------------------- n > 1
+
+
+def test_parallel_samples_share_the_prompt_and_copy_on_write() -> None:
+    h = Harness()
+    request = h.add("r", 6, max_tokens=5, n=3)
+    plan, result, outcome = h.step()
+    assert plan.num_scheduled_tokens == {"r/0": 6}
+    assert plan.num_samples == {"r/0": 3}
+    assert len(result.sampled_token_ids["r/0"]) == 3
+    assert [s.seq_id for s in request.seqs] == ["r/0", "r/1", "r/2"]
+    assert [s.seq_id for s in h.sched.running] == ["r/0", "r/1", "r/2"]
+    tables = [s.block_table for s in request.seqs]
+    assert tables[0] == tables[1] == tables[2]
+    assert len(tables[0]) == 2
+    ref_cnt = h.sched.kv.pool.ref_cnt
+    assert [ref_cnt[b] for b in tables[0]] == [3, 3]
+    assert {s.seq_id for s in outcome.advanced} == {"r/0", "r/1", "r/2"}
+
+    shared_partial = tables[0][1]
+    plan, _, _ = h.step()
+    assert plan.num_scheduled_tokens == {"r/0": 1, "r/1": 1, "r/2": 1}
+    assert len(plan.copies) == 2
+    assert all(src == shared_partial for src, _ in plan.copies)
+    assert len({dst for _, dst in plan.copies}) == 2
+    assert {n.seq_id for n in plan.new_seqs} == {"r/1", "r/2"}
+    (update,) = plan.block_updates
+    assert update.seq_id == "r/0"
+    assert update.replaced == [(1, request.seqs[0].block_table[1])]
+    assert request.seqs[2].block_table[1] == shared_partial  # the last writes in place
+    assert ref_cnt[tables[0][0]] == 3
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_parallel_samples_on_a_block_boundary_need_no_copies() -> None:
+    h = Harness()
+    h.add("r", 8, max_tokens=3, n=2)
+    h.step()
+    plan, _, _ = h.step()
+    assert plan.copies == []
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_parallel_samples_with_a_chunked_prompt() -> None:
+    h = Harness(max_num_batched_tokens=8)
+    h.add("r", 18, max_tokens=4, n=2)
+    plans = [h.step()[0] for _ in range(3)]
+    assert [p.num_samples for p in plans] == [{}, {}, {"r/0": 2}]
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_abort_a_request_with_unforked_samples() -> None:
+    h = Harness(max_num_batched_tokens=8)
+    request = h.add("r", 18, max_tokens=4, n=3)
+    h.step()
+    assert h.sched.abort("r") is True
+    assert request.finished
+    assert request.num_unfinished == 0
+    assert h.sched.requests == {}
+    h.check()
+    plan, _, _ = h.step()
+    assert plan.freed_seq_ids == ["r/0"]
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def preemption_harness(mode: str) -> tuple[Harness, Request, Request]:
+    h = Harness(num_gpu_blocks=8, num_cpu_blocks=32, preemption_mode=mode)
+    a = h.add("a", 8, max_tokens=12)
+    b = h.add("b", 8, max_tokens=12)
+    return h, a, b
+
+
+def test_forced_swap_swaps_out_and_back_in() -> None:
+    h, _, b = preemption_harness("swap")
+    preempted, swapped_in = [], []
+    while h.sched.has_work():
+        h.step()
+        preempted += h.sched.report.preempted
+        swapped_in += h.sched.report.swapped_in
+    assert ("b", "swap") in preempted
+    assert all(mode == "swap" for _, mode in preempted)
+    assert "b" in swapped_in
+    assert b.seqs[0].num_preemptions >= 1
+    assert h.sched.preemptions["swap"] >= 1
+    assert h.sched.preemptions["recompute"] == 0
+    assert h.worker.swapped_blocks > 0
+    assert any(p.swap_out for p in h.plans)
+    assert any(p.swap_in for p in h.plans)
+    assert h.sched.kv.cpu_pool.num_free == 32
+    h.assert_reference_outputs()
+
+
+def test_swap_out_plan_copies_the_victims_blocks() -> None:
+    h, _, b = preemption_harness("swap")
+    while True:
+        table = list(b.seqs[0].block_table)
+        plan, _, _ = h.step()
+        if h.sched.report.preempted:
+            break
+    assert h.sched.report.preempted == [("b", "swap")]
+    assert [device for device, _ in plan.swap_out] == table
+    assert [cpu for _, cpu in plan.swap_out] == b.seqs[0].cpu_block_table
+    assert "b" in plan.freed_seq_ids
+    assert "b" not in plan.num_scheduled_tokens
+    assert b.seqs[0].status is SeqStatus.SWAPPED
+    assert b.seqs[0].block_table == []
+
+
+def test_forced_recompute_drops_and_rebuilds() -> None:
+    h, _, b = preemption_harness("recompute")
+    preempted = []
+    while h.sched.has_work():
+        h.step()
+        preempted += h.sched.report.preempted
+        assert h.sched.report.swapped_in == []
+    assert ("b", "recompute") in preempted
+    assert h.sched.preemptions["swap"] == 0
+    assert h.worker.swapped_blocks == 0
+    assert all(not p.swap_out and not p.swap_in for p in h.plans)
+    assert b.seqs[0].num_preemptions >= 1
+    h.assert_reference_outputs()
+
+
+def test_swap_mode_falls_back_to_recompute_without_a_cpu_pool() -> None:
+    h = Harness(num_gpu_blocks=8, num_cpu_blocks=0, preemption_mode="swap")
+    h.add("a", 8, max_tokens=12)
+    h.add("b", 8, max_tokens=12)
+    preempted = []
+    while h.sched.has_work():
+        h.step()
+        preempted += h.sched.report.preempted
+    assert preempted
+    assert all(mode == "recompute" for _, mode in preempted)
+    h.assert_reference_outputs()
+
+
+def test_swapped_parallel_samples_end_correctly() -> None:
+    h = Harness(num_gpu_blocks=10, num_cpu_blocks=32, preemption_mode="swap")
+    h.add("a", 6, max_tokens=14, n=2)
+    h.add("b", 6, max_tokens=10)
+    preempted = []
+    while h.sched.has_work():
+        h.step()
+        preempted += h.sched.report.preempted
+    assert preempted
+    h.assert_reference_outputs()
+
+
+# --------------------------------------------------------------------------- priority
+
+
+def test_high_priority_arrival_preempts_a_running_low_priority_request() -> None:
+    h = Harness(num_gpu_blocks=6, policy="priority")
+    low = h.add("low", 20, max_tokens=4, priority=10)
+    h.step()
+    assert low.seqs[0].status is SeqStatus.RUNNING
+    assert h.sched.kv.pool.num_free == 1
+    high = h.add("high", 8, max_tokens=4, priority=0)
+    plan, _, _ = h.step()
+    assert h.sched.report.preempted == [("low", "recompute")]
+    assert "high" in plan.num_scheduled_tokens
+    assert "low" not in plan.num_scheduled_tokens
+    assert "low" in plan.freed_seq_ids
+    assert low.seqs[0].status is SeqStatus.WAITING
+    assert high.seqs[0].status is SeqStatus.RUNNING
+    h.run()
+    h.assert_reference_outputs()
+    # The high-priority request finished first.
+    assert high.seqs[0].num_output_tokens == 4
+
+
+def test_fcfs_does_not_preempt_for_a_new_arrival() -> None:
+    h = Harness(num_gpu_blocks=6, policy="fcfs")
+    h.add("low", 20, max_tokens=4, priority=10)
+    h.step()
+    h.add("high", 8, max_tokens=4, priority=0)
+    plan, _, _ = h.step()
+    assert h.sched.report.preempted == []
+    assert plan.num_scheduled_tokens == {"low": 1}
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_priority_does_not_preempt_a_better_ranked_request() -> None:
+    h = Harness(num_gpu_blocks=6, policy="priority")
+    h.add("high", 20, max_tokens=4, priority=0)
+    h.step()
+    h.add("low", 8, max_tokens=4, priority=10)
+    plan, _, _ = h.step()
+    assert h.sched.report.preempted == []
+    assert plan.num_scheduled_tokens == {"high": 1}
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_snapshot_reflects_the_state() -> None:
+    h = Harness(num_gpu_blocks=16)
+    h.add("a", 10, max_tokens=4)
+    h.add("b", 6, max_tokens=4, priority=3)
+    h.step()
+    snap = h.sched.snapshot()
+    assert snap.step == 1
+    assert snap.num_running == 2
+    assert snap.num_waiting == 0
+    assert snap.gpu_blocks.total == 16
+    assert snap.gpu_blocks.free == 16 - 3 - 2
+    assert {s.seq_id: s.state for s in snap.seqs} == {"a": "running", "b": "running"}
+    assert {s.seq_id: s.num_output_tokens for s in snap.seqs} == {"a": 1, "b": 1}
