@@ -24,7 +24,9 @@ def _annotation(name: str) -> Any:
     """``Annotated[T | None, typer.Option(...)]`` for one config field."""
     declared = field_type(name)
     args = [a for a in get_args(declared) if a is not type(None)]
-    base = args[0] if get_origin(declared) in (types.UnionType,) and len(args) == 1 else declared
+    base: Any = (
+        args[0] if get_origin(declared) in (types.UnionType,) and len(args) == 1 else declared
+    )
     flag = flag_name(name)
     help_text = FIELD_HELP[name]
     if base is bool:

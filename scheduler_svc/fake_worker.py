@@ -78,9 +78,7 @@ class FakeModel:
         max_model_len: int,
     ) -> tuple[list[int], str]:
         """The tokens and finish reason of this sample run alone, by the stop rules."""
-        limit = min(
-            params.max_tokens or max_model_len - prompt_len, max_model_len - prompt_len
-        )
+        limit = min(params.max_tokens or max_model_len - prompt_len, max_model_len - prompt_len)
         out: list[int] = []
         while True:
             token = self.next_token(request_id, sample_index, len(out), params.min_tokens)

@@ -77,8 +77,14 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, full)
         table = seq.block_table
+        block_hash = self.pool.block_hash
         for index in range(seq.num_cached_blocks, full):
-            key = (table[index - 1] if index else NO_PARENT, self._tokens(seq, index))
+            parent = table[index - 1] if index else NO_PARENT
+            if index and block_hash[parent] is None:
+                # The prefix sits in a private duplicate of cached content: a key naming
+                # it could never be reached by a lookup, so the rest stays private too.
+                break
+            key = (parent, self._tokens(seq, index))
             self.pool.cache(table[index], seq.block_hashes[index], key)
         seq.num_cached_blocks = full
 

@@ -128,6 +128,8 @@ class Scheduler:
         self._freed_seq_ids: list[str] = []
         self._cpu_release: list[int] = []
         self._inflight: list[tuple[Sequence, int]] | None = None
+        self._inflight_swap_outs: list[Sequence] = []
+        """Sequences whose swap-out copies ride on the plan in flight."""
         self._last_plan_tokens = 0
         self.report = StepReport(step=-1)
         self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
@@ -175,9 +177,7 @@ class Scheduler:
         if not all(type(t) is int and t >= 0 for t in prompt):
             raise RejectedError("invalid", "prompt_token_ids must hold non-negative integers")
         if params.n > cfg.max_num_seqs:
-            raise RejectedError(
-                "invalid", f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
-            )
+            raise RejectedError("invalid", f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         if len(prompt) >= cfg.max_model_len:
             raise RejectedError(
                 "too_long",
@@ -222,9 +222,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a plan is due: sequences to run, or ended ones the workers must drop."""
-        return bool(
-            self.running or len(self.waiting) or len(self.swapped) or self._freed_seq_ids
-        )
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self._freed_seq_ids)
 
     @property
     def num_running_slots(self) -> int:
@@ -289,9 +287,13 @@ class Scheduler:
         if not preempted_here:
             reserve = self.watermark_blocks + growth_reserve
             while budget > 0:
-                seq, from_swapped = self._next_candidate()
-                if seq is None or self.num_running_slots + seq.slots_needed > cfg.max_num_seqs:
+                candidate, from_swapped = self._next_candidate()
+                if (
+                    candidate is None
+                    or self.num_running_slots + candidate.slots_needed > cfg.max_num_seqs
+                ):
                     break
+                seq = candidate
                 if from_swapped:
                     num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
                     hits = kv.find_swap_hits(seq)
@@ -329,6 +331,7 @@ class Scheduler:
         )
         self._freed_seq_ids = []
         self._inflight = step.inflight
+        self._inflight_swap_outs = step.swapped_out
         self._last_plan_tokens = cfg.max_num_batched_tokens - budget
         self.step += 1
         return plan
@@ -413,6 +416,7 @@ class Scheduler:
         seq.num_preemptions += 1
         if mode == "swap":
             step.swap_out.extend(self.kv.swap_out(seq))
+            step.swapped_out.append(seq)
             seq.status = SeqStatus.SWAPPED
             self.swapped.push(seq)
         else:
@@ -438,6 +442,7 @@ class Scheduler:
         if result.step != self.step - 1:
             raise WorkerProtocolError(f"result for step {result.step}, expected {self.step - 1}")
         self._inflight = None
+        self._inflight_swap_outs = []
         # The swap-ins of that step have run: their CPU blocks are free again.
         self.kv.cpu_pool.release(self._cpu_release)
         self._cpu_release = []
@@ -488,8 +493,7 @@ class Scheduler:
         params = request.params
         num_output = len(token_ids) - seq.num_prompt_tokens
         if num_output > params.min_tokens and (
-            (token == self.eos_token_id and not params.ignore_eos)
-            or token in params.stop_token_ids
+            (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
         ):
             self._finish(seq, FinishReason.STOP, outcome)
         elif num_output >= request.max_output_tokens or len(token_ids) >= self.max_model_len:
@@ -548,12 +552,22 @@ class Scheduler:
     def on_worker_lost(self) -> None:
         """The device cache is gone: running sequences go back to recompute.
 
-        Swapped sequences keep their K/V in the CPU pool. Call between steps; a step in
-        flight is discarded.
+        Sequences swapped out before the step in flight keep their K/V in the CPU pool.
+        Those whose swap-out rode on the lost step may never have been copied, so they
+        are recomputed too. Call between steps; a step in flight is discarded.
         """
         self._inflight = None
         self.kv.cpu_pool.release(self._cpu_release)
         self._cpu_release = []
+        for seq in self._inflight_swap_outs:
+            if seq.status is SeqStatus.SWAPPED:
+                self.swapped.remove(seq)
+                self.kv.cpu_pool.release(seq.cpu_block_table)
+                seq.cpu_block_table = []
+                seq.num_computed_tokens = 0
+                seq.status = SeqStatus.WAITING
+                self.waiting.push(seq)
+        self._inflight_swap_outs = []
         for seq in list(self.running):
             self.kv.free(seq)
             seq.num_computed_tokens = 0
@@ -660,6 +674,7 @@ class _StepBuilder:
     new_seqs: list[NewSeq] = field(default_factory=list)
     block_updates: list[BlockUpdate] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_samples: dict[str, int] = field(default_factory=dict)

@@ -66,9 +66,7 @@ def generate_trace(
                 n=rng.choice(n_choices),
                 eos_at=rng.randint(1, max_tokens) if rng.random() < eos_fraction else None,
                 abort_step=(
-                    arrival + rng.randint(1, max_tokens)
-                    if rng.random() < abort_fraction
-                    else None
+                    arrival + rng.randint(1, max_tokens) if rng.random() < abort_fraction else None
                 ),
             )
         )

@@ -222,7 +222,7 @@ def test_check_reports_a_used_block_in_the_free_queue_and_a_lost_free_block() ->
 
 def test_check_reports_a_stale_cache_entry() -> None:
     pool = DeviceBlockPool(2)
-    a, b = pool.allocate(2)
+    a, _ = pool.allocate(2)
     pool.cache(a, HASH_A, KEY_A)
     pool.cached[HASH_B] = a  # maps to a block holding other content
     assert any("prefix cache" in p for p in pool.check([1, 1]))

@@ -418,3 +418,26 @@ def test_find_prefix_hit_size_formula(length: int) -> None:
     tokens = list(range(300, 300 + length))
     prefill(kv, make_seq(tokens))
     assert len(kv.find_prefix(make_seq(tokens))) == (length - 1) // BS
+
+
+def test_a_private_duplicate_block_does_not_block_later_hits() -> None:
+    # Two identical one-block prompts admitted together: find_prefix leaves the last
+    # block to compute, so the second one holds a private copy of block 0. Its later
+    # full blocks are cached too, keyed on that private copy. A third and fourth
+    # sequence with the same tokens must eventually share the second block again.
+    kv = make_kv(num_gpu_blocks=16)
+    a = make_seq([1, 2, 3, 4])
+    b = make_seq([1, 2, 3, 4])
+    prefill(kv, a)
+    prefill(kv, b)
+    assert a.block_table != b.block_table  # b computed a private copy
+    for token in (5, 6, 7, 8, 9):
+        decode(kv, b, token)
+    kv.free(b)
+
+    c = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    prefill(kv, c)  # computes (and should cache) the second block itself
+    d = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    hits = kv.find_prefix(d)
+    assert hits[:1] == a.block_table
+    assert len(hits) == 2, "the second block is cached but unreachable"

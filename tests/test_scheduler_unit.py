@@ -11,7 +11,7 @@ import pytest
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
-from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from scheduler_svc.scheduler import Scheduler, UpdateOutcome, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -245,7 +245,7 @@ def test_token_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
     plan, _, _ = h.step()
     assert plan.num_scheduled_tokens == {"a": 10, "b": 6}
     plan, _, _ = h.step()
-    assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 11 - 0 - 1}
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 10}
     h.run()
     assert all(p.total_tokens <= 16 for p in h.plans)
     assert max(p.total_tokens for p in h.plans) == 16
@@ -736,3 +736,155 @@ def test_snapshot_reflects_the_state() -> None:
     assert snap.gpu_blocks.free == 16 - 3 - 2
     assert {s.seq_id: s.state for s in snap.seqs} == {"a": "running", "b": "running"}
     assert {s.seq_id: s.num_output_tokens for s in snap.seqs} == {"a": 1, "b": 1}
+
+
+# --------------------------------------------------------------------------- more n > 1
+
+
+def test_parallel_samples_ending_on_their_first_token() -> None:
+    h = Harness()
+    request = h.add("r", 6, max_tokens=1, n=3)
+    _, _, outcome = h.step()
+    assert request.finished
+    assert outcome.finished_requests == [request]
+    assert {s.seq_id for s in outcome.finished} == {"r/0", "r/1", "r/2"}
+    assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
+    assert h.sched.running == []
+    h.run()
+    assert h.worker.seqs == {}
+    h.assert_reference_outputs()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_parallel_samples_that_cannot_all_fit_still_finish(mode: str) -> None:
+    # Each sample alone needs 6 blocks (24 tokens); three together need 14.
+    h = Harness(num_gpu_blocks=7, num_cpu_blocks=32, preemption_mode=mode)
+    h.add("r", 8, max_tokens=16, n=3)
+    preempted = []
+    while h.sched.has_work():
+        h.step()
+        preempted += h.sched.report.preempted
+    assert preempted
+    h.assert_reference_outputs()
+
+
+def test_finish_seq_ends_one_sample() -> None:
+    h = Harness()
+    request = h.add("r", 6, max_tokens=6, n=2)
+    h.step()
+    h.step()
+    assert h.sched.finish_seq("r/1") is True
+    assert h.sched.finish_seq("r/1") is False
+    assert request.seqs[1].finish_reason == FinishReason.STOP
+    assert not request.finished
+    h.check()
+    plan, _, _ = h.step()
+    assert plan.freed_seq_ids == ["r/1"]
+    assert list(plan.num_scheduled_tokens) == ["r/0"]
+    h.run()
+    assert request.finished
+    assert request.seqs[0].num_output_tokens == 6
+    assert request.seqs[1].num_output_tokens == 2
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def test_schedule_twice_without_update_raises() -> None:
+    h = Harness()
+    h.add("r", 6, max_tokens=2)
+    h.sched.schedule()
+    with pytest.raises(RuntimeError):
+        h.sched.schedule()
+
+
+def test_update_without_a_step_raises() -> None:
+    h = Harness()
+    with pytest.raises(RuntimeError):
+        h.sched.update(StepResult(step=0, sampled_token_ids={}))
+
+
+def test_update_rejects_a_result_for_another_step() -> None:
+    h = Harness()
+    h.add("r", 6, max_tokens=2)
+    plan = h.sched.schedule()
+    result = h.worker.execute(plan)
+    with pytest.raises(WorkerProtocolError):
+        h.sched.update(StepResult(step=5, sampled_token_ids=result.sampled_token_ids))
+
+
+@pytest.mark.parametrize("tokens", [None, [], [7, 8]])
+def test_update_rejects_a_wrong_number_of_samples(tokens: list[int] | None) -> None:
+    h = Harness()
+    h.add("r", 6, max_tokens=2)
+    h.sched.schedule()
+    sampled = {} if tokens is None else {"r": tokens}
+    with pytest.raises(WorkerProtocolError, match="r"):
+        h.sched.update(StepResult(step=0, sampled_token_ids=sampled))
+
+
+# --------------------------------------------------------------------------- worker loss
+
+
+def restart_worker(h: Harness) -> None:
+    """A new worker process: empty device cache, the shared-memory CPU pool kept."""
+    cpu_kv = h.worker.cpu_kv
+    h.worker = FakeWorker(
+        h.model,
+        block_size=h.cfg.block_size,
+        num_gpu_blocks=h.cfg.num_gpu_blocks or 0,
+        num_cpu_blocks=h.cfg.num_cpu_blocks,
+        verify_kv=True,
+    )
+    h.worker.cpu_kv = cpu_kv
+
+
+def test_worker_lost_between_steps_requeues_for_recompute() -> None:
+    h = Harness()
+    h.add("a", 10, max_tokens=6)
+    h.add("b", 10, max_tokens=6)
+    h.step()
+    h.step()
+    h.sched.on_worker_lost()
+    restart_worker(h)
+    assert h.sched.running == []
+    assert len(h.sched.waiting) == 2
+    assert all(s.num_computed_tokens == 0 for s in h.sched.waiting)
+    assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
+    assert h.sched.kv.pool.cached == {}
+    h.check()
+    plan, _, _ = h.step()
+    assert plan.freed_seq_ids == []
+    assert {n.seq_id for n in plan.new_seqs} == {"a", "b"}
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_worker_lost_with_a_step_in_flight() -> None:
+    h = Harness()
+    h.add("a", 10, max_tokens=6)
+    h.step()
+    h.sched.schedule()  # the worker dies before answering
+    h.sched.on_worker_lost()
+    restart_worker(h)
+    h.check()
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_worker_lost_while_its_swap_out_was_in_flight() -> None:
+    # The step that swaps "b" out never ran: its CPU blocks were never written, so
+    # "b" must not be resumed from them.
+    h, _, b = preemption_harness("swap")
+    while True:
+        plan = h.sched.schedule()
+        if plan.swap_out:
+            break
+        h.sched.update(h.worker.execute(plan))
+        h.check()
+    assert b.seqs[0].status is SeqStatus.SWAPPED
+    h.sched.on_worker_lost()  # the plan above was never executed
+    restart_worker(h)
+    h.check()
+    h.run()
+    h.assert_reference_outputs()
