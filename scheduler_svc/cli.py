@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import msgspec
 import typer
@@ -158,6 +158,31 @@ def make_trace(
         fail(str(exc))
     write_trace(trace, out)
     Console(stderr=True).print(f"wrote {len(trace)} requests to {out}")
+
+
+@app.command("make-tiny-model")
+def make_tiny_model_cmd(
+    out: Annotated[Path, typer.Argument(help="Checkpoint directory to write.")],
+    arch: Annotated[
+        Literal["llama", "qwen2", "qwen3", "mistral"],
+        typer.Option(help="Model architecture (transformers config class)."),
+    ] = "llama",
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+) -> None:
+    """Write a deterministic tiny random-weight Hugging Face checkpoint (no download).
+
+    Byte-level tokenizer, 2 layers, hidden size 64: for tests and smoke runs. OUT may be
+    absent, empty or an earlier tiny model (replaced).
+    """
+    from gpu_worker.tiny_model import make_tiny_model  # lazy: keeps torch out of the scheduler
+
+    try:
+        path = make_tiny_model(out, arch=arch, seed=seed)
+    except (FileExistsError, ValueError) as exc:
+        fail(str(exc))
+    Console(stderr=True, soft_wrap=True).print(
+        f"wrote tiny {arch} model (seed {seed}) to {path}", highlight=False, markup=False
+    )
 
 
 def main() -> None:

@@ -1,0 +1,141 @@
+"""The device KV cache and its view of the CPU swap pool.
+
+Layout: one device tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`` (2 = key, value), so a block, all layers of it, is one contiguous run of
+``bytes_per_block`` bytes. The swap pool (a shared-memory segment) is viewed with the
+same per-block shape, ``[num_cpu_blocks, num_layers, 2, ...]``: swapping a block is one
+contiguous copy, and a batch of them is a device-side gather or scatter plus copies of
+contiguous runs between device and host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.kernels import copy_blocks, gather_blocks, scatter_blocks
+from shared.swap_pool import SwapPoolSegment
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        numel = 1
+        for dim in self.block_shape:
+            numel *= dim
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce (src, dst) block pairs into (src_start, dst_start, length) runs."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if runs:
+            s0, d0, n = runs[-1]
+            if src == s0 + n and dst == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+class KVCache:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: torch.device,
+        swap_pool: SwapPoolSegment | None = None,
+    ) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
+        self.layer_caches = [
+            (self.kv[:, layer, 0], self.kv[:, layer, 1]) for layer in range(layout.num_layers)
+        ]
+        self.cpu_pool: torch.Tensor | None = None
+        self._pinned = False
+        if swap_pool is not None:
+            self.attach_swap_pool(swap_pool)
+
+    def attach_swap_pool(self, segment: SwapPoolSegment) -> None:
+        bpb = self.layout.bytes_per_block
+        num_cpu_blocks = segment.size // bpb
+        raw = torch.frombuffer(segment.buf, dtype=torch.uint8, count=num_cpu_blocks * bpb)
+        self.cpu_pool = raw.view(self.layout.dtype).view(num_cpu_blocks, *self.layout.block_shape)
+        if self.device.type == "cuda":
+            # Pin the mapped pages so device<->host copies run as DMA.
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.cpu_pool.data_ptr(), raw.numel(), 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the swap pool failed ({err})")
+            self._pinned = True
+
+    def detach_swap_pool(self) -> None:
+        """Drop every view of the segment (it can then be closed)."""
+        if self.cpu_pool is not None and self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.cpu_pool.data_ptr())
+        self.cpu_pool = None
+        self._pinned = False
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return 0 if self.cpu_pool is None else self.cpu_pool.shape[0]
+
+    def _pool(self) -> torch.Tensor:
+        if self.cpu_pool is None:
+            raise RuntimeError("plan swaps blocks but no swap pool is attached")
+        return self.cpu_pool
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to pool blocks: (device block, pool block) pairs."""
+        if not pairs:
+            return
+        pool = self._pool()
+        if self.device.type == "cpu":
+            for src, dst, n in _runs(pairs):
+                pool[dst : dst + n].copy_(self.kv[src : src + n])
+            return
+        ordered = sorted(pairs, key=lambda p: p[1])
+        ids = torch.tensor([g for g, _ in ordered], dtype=torch.int64, device=self.device)
+        staged = gather_blocks(self.kv, ids)
+        for src, dst, n in _runs([(i, c) for i, (_, c) in enumerate(ordered)]):
+            pool[dst : dst + n].copy_(staged[src : src + n], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy pool blocks to device blocks: (pool block, device block) pairs."""
+        if not pairs:
+            return
+        pool = self._pool()
+        if self.device.type == "cpu":
+            for src, dst, n in _runs(pairs):
+                self.kv[dst : dst + n].copy_(pool[src : src + n])
+            return
+        ordered = sorted(pairs)
+        staged = torch.empty(
+            (len(ordered), *self.layout.block_shape), dtype=self.layout.dtype, device=self.device
+        )
+        for src, dst, n in _runs([(c, i) for i, (c, _) in enumerate(ordered)]):
+            staged[dst : dst + n].copy_(pool[src : src + n], non_blocking=True)
+        ids = torch.tensor([g for _, g in ordered], dtype=torch.int64, device=self.device)
+        scatter_blocks(staged, self.kv, ids)
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: (source device block, destination device block) pairs."""
+        if pairs:
+            copy_blocks(self.kv, torch.tensor(pairs, dtype=torch.int64, device=self.device))

@@ -1,0 +1,340 @@
+"""A deterministic tiny random-weight checkpoint: expeditor's embedded default model.
+
+``make_tiny_model(path, arch=..., seed=...)`` writes an ordinary Hugging Face checkpoint
+directory (``config.json``, ``model.safetensors`` in float32, ``generation_config.json``,
+``tokenizer.json`` + ``tokenizer_config.json``) that ``AutoModelForCausalLM`` and
+``AutoTokenizer`` load offline, so everything in expeditor runs with no download.
+
+Tokenizer: byte-level, one token per UTF-8 byte (GPT-2 byte-to-unicode alphabet, no merges),
+so any text round-trips exactly. Ids: ``<pad>`` 0, ``<s>`` 1 (BOS, prepended when encoding
+with special tokens), ``</s>`` 2 (EOS), byte ``b`` is id ``3 + b``; the model's vocab_size
+is 320 (ids 259..319 are unused padding).
+
+Weights (all float32, drawn from a private ``torch.Generator`` seeded with ``seed`` in
+sorted parameter-name order, so the same (arch, seed) gives byte-identical safetensors and the
+global torch RNG is untouched):
+
+* ``embed_tokens``: N(0, 1), so the residual stream starts at unit scale;
+* every projection (q/k/v/o, gate/up/down): N(0, 1/sqrt(fan_in)), LeCun-normal, which keeps
+  activations at unit scale, so attention is neither uniform nor one-hot and the output
+  really depends on the context (a paged-attention or KV-cache bug changes the tokens);
+* norm weights (RMSNorm, Qwen3 q/k norms): 1 + N(0, 0.1); Qwen2 q/k/v biases: N(0, 0.1);
+* ``lm_head``: N(0, 8/sqrt(hidden_size)): after the final RMSNorm the logits have a standard
+  deviation of about 8, so the top-1 / top-2 gap is usually several units and greedy decoding
+  is robust to the small numeric differences between kernels; the rows of ``<pad>``, ``<s>``
+  and the unused ids are zero (logit 0, below the best byte logit), so greedy decoding only
+  emits bytes and ``</s>``.
+
+With these scales greedy decoding wanders over many distinct bytes instead of collapsing into
+one repeated token (checked by greedy-generating 40 tokens from several prompts for every
+arch and a few seeds; see ``tests/test_tiny_model.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+#: Bumped whenever the generated files change, so cached default models are rebuilt.
+FORMAT_VERSION = 1
+#: Written last inside a finished checkpoint; its presence means the directory is complete.
+MARKER_NAME = ".expeditor-tiny-model.json"
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+NUM_SPECIAL = 3
+BYTE_OFFSET = NUM_SPECIAL
+VOCAB_SIZE = 320  # multiple of 64 holding 3 specials + 256 bytes
+
+HIDDEN_SIZE = 64
+NUM_LAYERS = 2
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = 16
+INTERMEDIATE_SIZE = 128
+MAX_POSITIONS = 2048
+ROPE_THETA = 10000.0
+
+EMBED_STD = 1.0
+PROJ_GAIN = 1.0  # projection std = PROJ_GAIN / sqrt(fan_in)
+NORM_JITTER = 0.1
+BIAS_STD = 0.1
+LOGIT_STD = 8.0  # lm_head std = LOGIT_STD / sqrt(hidden_size)
+
+DEFAULT_ARCH = "llama"
+DEFAULT_SEED = 0
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (the ByteLevel alphabet)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _build_tokenizer() -> Any:
+    """The byte-level ``tokenizers.Tokenizer`` (no merges: one token per UTF-8 byte)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {PAD_TOKEN: PAD_ID, BOS_TOKEN: BOS_ID, EOS_TOKEN: EOS_ID}
+    for byte, char in _bytes_to_unicode().items():
+        vocab[char] = BYTE_OFFSET + byte
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([PAD_TOKEN, BOS_TOKEN, EOS_TOKEN])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, BOS_ID)],
+    )
+    return tokenizer
+
+
+def _config(arch: str) -> Any:
+    """The transformers config object of ``arch`` with the tiny sizes."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rope_theta": ROPE_THETA,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**common)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    config.architectures = [type(config).__name__.removesuffix("Config") + "ForCausalLM"]
+    config.dtype = "float32"
+    return config
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], generator: Any) -> Any:
+    """One parameter, drawn from ``generator`` by the rules in the module docstring."""
+    import torch
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+    if name.endswith("embed_tokens.weight"):
+        return normal(EMBED_STD)
+    if name.endswith("lm_head.weight"):
+        weight = normal(LOGIT_STD / shape[1] ** 0.5)
+        weight[PAD_ID] = 0.0
+        weight[BOS_ID] = 0.0
+        weight[BYTE_OFFSET + 256 :] = 0.0
+        return weight
+    if name.endswith("norm.weight"):
+        return 1.0 + normal(NORM_JITTER)
+    if name.endswith(".bias"):
+        return normal(BIAS_STD)
+    if name.endswith(".weight") and len(shape) == 2:
+        return normal(PROJ_GAIN / shape[1] ** 0.5)
+    raise ValueError(f"no init rule for parameter {name} {shape}")
+
+
+def _state_dict(config: Any, seed: int) -> dict[str, Any]:
+    """Seeded random weights for every parameter of the model ``config`` describes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return {name: _init_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_checkpoint(directory: Path, arch: str, seed: int) -> None:
+    """Write every file of the checkpoint into the (empty) ``directory``, marker last."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    config = _config(arch)
+    config.save_pretrained(directory)
+    GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+    ).save_pretrained(directory)
+    save_file(_state_dict(config, seed), directory / "model.safetensors", metadata={"format": "pt"})
+    _build_tokenizer().save(str(directory / "tokenizer.json"))
+    _write_json(
+        directory / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": MAX_POSITIONS,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    for file in directory.iterdir():
+        _fsync(file)
+    _write_json(
+        directory / MARKER_NAME, {"arch": arch, "seed": seed, "format_version": FORMAT_VERSION}
+    )
+    _fsync(directory / MARKER_NAME)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The marker of a complete tiny model at ``path`` ({arch, seed, format_version}), or None."""
+    try:
+        data = json.loads((Path(path) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_tiny_model(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete checkpoint written by :func:`make_tiny_model`."""
+    return read_marker(path) is not None
+
+
+def _is_empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and next(path.iterdir(), None) is None
+    except OSError:
+        return False
+
+
+def _staging_dir(target: Path) -> Path:
+    """A fresh directory next to ``target`` (same filesystem, so the final rename is atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging.chmod(0o755)
+    return staging
+
+
+def _move_aside(target: Path) -> None:
+    """Rename ``target`` out of the way and delete it (no error if it is already gone)."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    try:
+        os.replace(target, trash / target.name)
+    except FileNotFoundError:
+        pass
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str], *, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED
+) -> Path:
+    """Write the tiny ``arch`` checkpoint seeded by ``seed`` to the directory ``path``.
+
+    The files are built in a temporary directory next to ``path`` and renamed into place, so
+    a half-written model is never visible. ``path`` may be absent, an empty directory or an
+    earlier tiny model (replaced); anything else raises FileExistsError. Returns the absolute
+    path.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    target = Path(path).absolute()
+    if target.exists() or target.is_symlink():
+        if not target.is_dir():
+            raise FileExistsError(f"{target} exists and is not a directory")
+        if not _is_empty_dir(target) and not is_tiny_model(target):
+            raise FileExistsError(f"{target} is a non-empty directory that is not a tiny model")
+    staging = _staging_dir(target)
+    try:
+        _write_checkpoint(staging, arch, seed)
+        if is_tiny_model(target):
+            _move_aside(target)
+        os.replace(staging, target)  # rename(2): atomic, and replaces an empty directory
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a no-op once renamed
+    return target
+
+
+def cache_dir() -> Path:
+    """$EXPEDITOR_CACHE_DIR, else $XDG_CACHE_HOME/expeditor, else ~/.cache/expeditor."""
+    if explicit := os.environ.get("EXPEDITOR_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "expeditor"
+    return Path.home() / ".cache" / "expeditor"
+
+
+def default_model_dir() -> Path:
+    """The embedded default model (llama, seed 0), built on first use and cached.
+
+    Lives in :func:`cache_dir` as ``tiny-llama-s0-v{FORMAT_VERSION}`` and is reused when a
+    complete copy (marker present) is there. Processes racing to create it each build a
+    staging copy; the first rename wins and the others use the winner's.
+    """
+    target = cache_dir() / f"tiny-{DEFAULT_ARCH}-s{DEFAULT_SEED}-v{FORMAT_VERSION}"
+    if is_tiny_model(target):
+        return target
+    staging = _staging_dir(target)
+    try:
+        _write_checkpoint(staging, DEFAULT_ARCH, DEFAULT_SEED)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if is_tiny_model(target):  # another process won the race
+                return target
+            # Something incomplete that is not ours (we only ever rename finished copies):
+            # set it aside and try once more.
+            _move_aside(target)
+            try:
+                os.replace(staging, target)
+            except OSError:
+                if not is_tiny_model(target):
+                    raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

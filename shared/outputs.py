@@ -1,0 +1,35 @@
+"""What a finished request returns, in the engine and (later) over the wire."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class CompletionSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One of the n samples of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """``stop`` (EOS, stop token or stop string), ``length`` or ``abort``."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per output token, when asked for: the sampled token and the top ones -> logprob."""
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[CompletionSample]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.samples[0].finish_reason
