@@ -10,6 +10,7 @@ contiguous runs between device and host.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ class KVLayout:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
+SMALL_BLOCK_BYTES = 256 * 1024
+"""On CPU, blocks below this size are swapped by one batched gather + scatter through a
+staging buffer; larger ones by one copy per contiguous run (per-call overhead is then
+negligible and a single pass beats two)."""
+
+
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Coalesce (src, dst) block pairs into (src_start, dst_start, length) runs."""
     runs: list[tuple[int, int, int]] = []
@@ -50,6 +57,15 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
                 continue
         runs.append((src, dst, 1))
     return runs
+
+
+def _side_runs(table: torch.Tensor, side: int) -> tuple[torch.Tensor, list[int]]:
+    """Pairs [n, 2] sorted by ``side`` (0: source, 1: destination), and the row offsets
+    where runs of consecutive ids on that side start (with n appended)."""
+    ordered = table[torch.argsort(table[:, side])]
+    keys = ordered[:, side]
+    breaks = (torch.nonzero(keys[1:] != keys[:-1] + 1).flatten() + 1).tolist()
+    return ordered, [0, *breaks, len(table)]
 
 
 class KVCache:
@@ -69,6 +85,7 @@ class KVCache:
         ]
         self.cpu_pool: torch.Tensor | None = None
         self._pinned = False
+        self._staging = torch.empty(0, dtype=layout.dtype)
         if swap_pool is not None:
             self.attach_swap_pool(swap_pool)
 
@@ -107,8 +124,7 @@ class KVCache:
             return
         pool = self._pool()
         if self.device.type == "cpu":
-            for src, dst, n in _runs(pairs):
-                pool[dst : dst + n].copy_(self.kv[src : src + n])
+            self._cpu_copy(self.kv, pool, pairs)
             return
         ordered = sorted(pairs, key=lambda p: p[1])
         ids = torch.tensor([g for g, _ in ordered], dtype=torch.int64, device=self.device)
@@ -123,8 +139,7 @@ class KVCache:
             return
         pool = self._pool()
         if self.device.type == "cpu":
-            for src, dst, n in _runs(pairs):
-                self.kv[dst : dst + n].copy_(pool[src : src + n])
+            self._cpu_copy(pool, self.kv, pairs)
             return
         ordered = sorted(pairs)
         staged = torch.empty(
@@ -134,6 +149,37 @@ class KVCache:
             staged[dst : dst + n].copy_(pool[src : src + n], non_blocking=True)
         ids = torch.tensor([g for _, g in ordered], dtype=torch.int64, device=self.device)
         scatter_blocks(staged, self.kv, ids)
+
+    def _cpu_copy(
+        self, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]
+    ) -> None:
+        """Block copies on the host, in one pass wherever a side is contiguous."""
+        if self.layout.bytes_per_block >= SMALL_BLOCK_BYTES:
+            for s, d, n in _runs(pairs):
+                dst[d : d + n].copy_(src[s : s + n])
+            return
+        rows = self.kv[0].numel()
+        src_flat = src.view(src.shape[0], rows)
+        dst_flat = dst.view(dst.shape[0], rows)
+        table = torch.tensor(pairs, dtype=torch.int64)
+        few = len(pairs) // 8 + 1
+        for side in (1, 0):
+            ordered, starts = _side_runs(table, side)
+            if len(starts) - 1 > few:
+                continue
+            for a, b in itertools.pairwise(starts):
+                first = int(ordered[a, side])
+                other = ordered[a:b, 1 - side]
+                if side == 1:  # contiguous destinations: gather straight in
+                    torch.index_select(src_flat, 0, other, out=dst_flat[first : first + b - a])
+                else:  # contiguous sources: scatter straight out
+                    dst_flat.index_copy_(0, other, src_flat[first : first + b - a])
+            return
+        if self._staging.numel() < len(pairs) * rows:
+            self._staging = torch.empty(len(pairs) * rows, dtype=self.layout.dtype)
+        staged = self._staging[: len(pairs) * rows].view(len(pairs), rows)
+        torch.index_select(src_flat, 0, table[:, 0], out=staged)
+        dst_flat.index_copy_(0, table[:, 1], staged)
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: (source device block, destination device block) pairs."""

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -105,6 +107,77 @@ def _find_seq(
 
 
 @triton.jit
+def _attend_key_tile(
+    start_n,
+    num_keys,
+    q,
+    q_pos,
+    row_ok,
+    m_i,
+    l_i,
+    acc,
+    table,
+    bt_s1,
+    key_cache_ptr,
+    value_cache_ptr,
+    kc_s0,
+    kc_s1,
+    kc_s2,
+    kc_s3,
+    vc_s0,
+    vc_s1,
+    vc_s2,
+    vc_s3,
+    kv_head,
+    dims,
+    dim_ok,
+    scale,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    # One online-softmax step over keys [start_n, start_n + TILE_N) of the sequence; each
+    # key's physical slot comes from the block table, so a tile may span several blocks
+    # (or part of one) whatever the block size.
+    keys = start_n + tl.arange(0, TILE_N)
+    key_ok = keys < num_keys
+    block = tl.load(table + (keys // BLOCK_SIZE) * bt_s1, mask=key_ok, other=0).to(tl.int64)
+    in_block = keys % BLOCK_SIZE
+    k_base = block * kc_s0 + in_block * kc_s1 + kv_head * kc_s2
+    v_base = block * vc_s0 + in_block * vc_s1 + kv_head * vc_s2
+    k = tl.load(  # [DIM_PAD, TILE_N]
+        key_cache_ptr + k_base[None, :] + dims[:, None] * kc_s3,
+        mask=key_ok[None, :] & dim_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(  # [TILE_N, DIM_PAD]
+        value_cache_ptr + v_base[:, None] + dims[None, :] * vc_s3,
+        mask=key_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale
+    visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no key yet keep m = -inf; shift them by 0 to avoid NaNs.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_shift[:, None])
+    alpha = tl.exp(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if IEEE_DOT:
+        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -140,6 +213,7 @@ def _paged_attention_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    INTERPRETER_LOOP: tl.constexpr,
 ):
     # One program per (query tile of one sequence, kv head). A tile holds BLOCK_Q query
     # tokens x the QUERIES_PER_KV query heads sharing this kv head, as BLOCK_M rows
@@ -181,43 +255,25 @@ def _paged_attention_kernel(
     # Keys this tile can see: positions 0 .. (last query position in the tile).
     num_keys = context + tl.minimum(tile_q0 + BLOCK_Q, q_len)
     table = block_tables_ptr + seq.to(tl.int64) * bt_s0
-    for start_n in range(0, num_keys, TILE_N):
-        keys = start_n + tl.arange(0, TILE_N)
-        key_ok = keys < num_keys
-        block = tl.load(table + (keys // BLOCK_SIZE) * bt_s1, mask=key_ok, other=0).to(tl.int64)
-        in_block = keys % BLOCK_SIZE
-        k_base = block * kc_s0 + in_block * kc_s1 + kv_head * kc_s2
-        v_base = block * vc_s0 + in_block * vc_s1 + kv_head * vc_s2
-        k = tl.load(  # [DIM_PAD, TILE_N]
-            key_cache_ptr + k_base[None, :] + dims[:, None] * kc_s3,
-            mask=key_ok[None, :] & dim_ok[:, None],
-            other=0.0,
-        )
-        v = tl.load(  # [TILE_N, DIM_PAD]
-            value_cache_ptr + v_base[:, None] + dims[None, :] * vc_s3,
-            mask=key_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        if IEEE_DOT:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale
-        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows that have seen no key yet keep m = -inf; shift them by 0 to avoid NaNs.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_shift[:, None])
-        alpha = tl.exp(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if IEEE_DOT:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if INTERPRETER_LOOP:
+        # Older Triton interpreters cannot take a runtime tensor as a range() bound.
+        start_n = 0
+        while start_n < num_keys:
+            m_i, l_i, acc = _attend_key_tile(
+                start_n, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale,
+                TILE_N, BLOCK_SIZE, IEEE_DOT,
+            )  # fmt: skip
+            start_n += TILE_N
+    else:
+        for start_n in range(0, num_keys, TILE_N):
+            m_i, l_i, acc = _attend_key_tile(
+                start_n, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale,
+                TILE_N, BLOCK_SIZE, IEEE_DOT,
+            )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -291,6 +347,7 @@ def paged_attention_triton(
         DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size,
         IEEE_DOT=query.dtype == torch.float32,
+        INTERPRETER_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
     return out

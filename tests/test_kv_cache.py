@@ -1,0 +1,101 @@
+"""The worker's KV cache: swap through the shared-memory pool, copy-on-write."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_worker.kv_cache import KVCache, KVLayout
+from shared.swap_pool import SwapPoolSegment
+
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+LARGE = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, block_size=32, dtype=torch.float16)
+
+
+def filled(layout: KVLayout, num_blocks: int, segment: SwapPoolSegment) -> KVCache:
+    cache = KVCache(layout, num_blocks, torch.device("cpu"), segment)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
+    return cache
+
+
+PAIRINGS = {
+    "contiguous-pool": lambda gpu: list(zip(gpu, range(len(gpu)), strict=True)),
+    "contiguous-device": lambda gpu: list(zip(range(len(gpu)), gpu, strict=True)),
+    "scattered": lambda gpu: list(
+        zip(gpu, random.Random(1).sample(range(40), len(gpu)), strict=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", [SMALL, LARGE], ids=["small-blocks", "large-blocks"])
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+def test_swap_out_then_in_restores_every_byte(layout: KVLayout, pairing: str) -> None:
+    with SwapPoolSegment.create(40, layout.bytes_per_block) as segment:
+        cache = filled(layout, 32, segment)
+        original = cache.kv.clone()
+        device_blocks = random.Random(0).sample(range(32), 12)
+        out_pairs = PAIRINGS[pairing](device_blocks)
+        cache.swap_out(out_pairs)
+        assert cache.cpu_pool is not None
+        for dev, cpu in out_pairs:
+            assert torch.equal(cache.cpu_pool[cpu], original[dev])
+        cache.kv[[d for d, _ in out_pairs]] = 0  # the blocks get reused meanwhile
+        targets = random.Random(2).sample(range(32), 12)
+        in_pairs = [(cpu, target) for (_, cpu), target in zip(out_pairs, targets, strict=True)]
+        cache.swap_in(in_pairs)
+        for (dev, _), target in zip(out_pairs, targets, strict=True):
+            assert torch.equal(cache.kv[target], original[dev])
+        cache.detach_swap_pool()
+
+
+def test_a_second_mapping_sees_the_swapped_bytes() -> None:
+    """Swapped KV lives in the segment, not in the worker: a new worker maps it back."""
+    with SwapPoolSegment.create(8, SMALL.bytes_per_block) as segment:
+        first = filled(SMALL, 8, segment)
+        first.swap_out([(3, 5)])
+        block = first.kv[3].clone()
+        first.detach_swap_pool()
+        attached = SwapPoolSegment.attach(segment.name)
+        second = KVCache(SMALL, 8, torch.device("cpu"), attached)
+        second.swap_in([(5, 0)])
+        assert torch.equal(second.kv[0], block)
+        second.detach_swap_pool()
+        attached.close()
+
+
+def test_copy_blocks_and_layer_views() -> None:
+    cache = KVCache(SMALL, 6, torch.device("cpu"))
+    cache.kv.copy_(torch.arange(cache.kv.numel(), dtype=torch.float32).view(cache.kv.shape))
+    before = cache.kv.clone()
+    cache.copy([(1, 4), (2, 5)])
+    assert torch.equal(cache.kv[4], before[1]) and torch.equal(cache.kv[5], before[2])
+    assert torch.equal(cache.kv[:4], before[:4])
+    key, value = cache.layer_caches[1]
+    assert key.shape == (6, 4, 2, 4) and torch.equal(key[2], cache.kv[2, 1, 0])
+    assert value.data_ptr() == cache.kv[:, 1, 1].data_ptr()
+
+
+def test_swap_without_a_pool_is_an_error() -> None:
+    cache = KVCache(SMALL, 4, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no swap pool"):
+        cache.swap_out([(0, 0)])
+
+
+def test_segment_lifecycle() -> None:
+    segment = SwapPoolSegment.create(4, 1024)
+    assert segment.size >= 4096
+    name = segment.name
+    attached = SwapPoolSegment.attach(name)
+    attached.buf[0] = 7
+    assert segment.buf[0] == 7
+    attached.close()  # an attached mapping never removes the segment
+    again = SwapPoolSegment.attach(name)
+    assert again.buf[0] == 7
+    again.close()
+    segment.close()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SwapPoolSegment.attach(name)
+    with pytest.raises(ValueError, match="bytes_per_block"):
+        SwapPoolSegment.create(4, 0)
