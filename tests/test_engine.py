@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,8 @@ def make_llm(checkpoint: Path) -> Iterator:
     made: list[LLM] = []
 
     def make(**config: object) -> LLM:
-        llm = LLM(checkpoint, device="cpu", max_model_len=256, **config)
+        device = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
+        llm = LLM(checkpoint, device=device, max_model_len=256, **config)
         made.append(llm)
         return llm
 

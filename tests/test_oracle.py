@@ -7,6 +7,7 @@ prefix-cache hits, swap and recompute preemption, and n>1 forks with copy-on-wri
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from ipc.schema import BatchPlan, StepResult
 from shared.sampling import SamplingParams
 
 MAX_TOKENS = 12
+DEVICE = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
+"""``cuda`` runs the oracle on the GPU (Triton kernels), in float32 on both sides."""
 SHARED = list(range(40, 72))  # a 32-token common prefix
 
 
@@ -62,11 +65,11 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def expected(checkpoint: Path) -> dict[int, list[int]]:
     """transformers' greedy output for each prompt, run alone."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE)
     model.eval()
     out: dict[int, list[int]] = {}
     for index, prompt in enumerate(PROMPTS):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=DEVICE)
         with torch.inference_mode():
             generated = model.generate(
                 ids,
@@ -101,7 +104,7 @@ def engine_factory(checkpoint: Path) -> Iterator[type]:
     made: list[LLM] = []
 
     def make(**config: object) -> LLM:
-        llm = LLM(checkpoint, device="cpu", max_model_len=256, **config)
+        llm = LLM(checkpoint, device=DEVICE, dtype=torch.float32, max_model_len=256, **config)
         made.append(llm)
         return llm
 
