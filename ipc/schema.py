@@ -22,22 +22,53 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.outputs import Completion
 from shared.sampling import SamplingParams
 
 __all__ = [
+    "Abort",
+    "AbortAck",
+    "Accepted",
+    "AttachSwapPool",
     "BatchPlan",
     "BlockUpdate",
     "BlockUsage",
+    "ClientMessage",
+    "ControlMessage",
+    "Delta",
+    "ErrorReply",
+    "Finished",
+    "Generate",
+    "Health",
+    "HealthStatus",
+    "Heartbeat",
+    "Inspect",
+    "InspectReply",
     "Message",
     "NewSeq",
+    "Ping",
+    "Pong",
     "PrefixCacheStats",
     "SchedulerSnapshot",
     "SeqInfo",
+    "ServerMessage",
+    "Shutdown",
     "StepResult",
     "StepTiming",
+    "Timings",
+    "Usage",
+    "WorkerError",
     "WorkerHello",
+    "WorkerInfo",
+    "WorkerJoin",
+    "WorkerMessage",
+    "WorkerSetup",
+    "client_decoder",
+    "control_decoder",
     "decode",
     "encode",
+    "server_decoder",
+    "worker_decoder",
 ]
 
 
@@ -172,10 +203,199 @@ class SchedulerSnapshot(
     seqs: list[SeqInfo]
 
 
-Message = BatchPlan | StepResult | WorkerHello | SchedulerSnapshot
+# -- scheduler <-> worker control -------------------------------------------------------
+
+
+class WorkerJoin(msgspec.Struct, frozen=True, kw_only=True, tag="join", tag_field="type"):
+    """A worker's first frame: who it is. The scheduler answers with WorkerSetup."""
+
+    rank: int
+    pid: int
+    device: str
+
+
+class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_field="type"):
+    """What the worker must load and how large its cache is; it answers WorkerHello."""
+
+    model: str
+    block_size: int
+    max_num_batched_tokens: int
+    num_gpu_blocks: int | None = None
+    """None: size the cache from gpu_memory_utilization (CUDA)."""
+    gpu_memory_utilization: float = 0.9
+    swap_pool: str | None = None
+    """Name of the shared-memory swap pool, once it exists."""
+
+
+class AttachSwapPool(
+    msgspec.Struct, frozen=True, kw_only=True, tag="attach_pool", tag_field="type"
+):
+    """Map the swap pool the scheduler created after the first WorkerHello."""
+
+    name: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="type"):
+    rank: int
+
+
+class WorkerError(msgspec.Struct, frozen=True, kw_only=True, tag="worker_error", tag_field="type"):
+    """A worker that cannot serve says why before it exits non-zero."""
+
+    rank: int
+    message: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown", tag_field="type"):
+    """Leave cleanly (exit 0)."""
+
+
+# -- client <-> scheduler ------------------------------------------------------------------
+
+
+class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_field="type"):
+    """Submit a request: exactly one of ``prompt`` (text) and ``prompt_token_ids``."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0
+    stream: bool = False
+    """Send a Delta event per step; without it only Accepted and Finished come."""
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", tag_field="type"):
+    request_id: str
+
+
+class Inspect(msgspec.Struct, frozen=True, kw_only=True, tag="inspect", tag_field="type"):
+    pass
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health", tag_field="type"):
+    pass
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping", tag_field="type"):
+    """Client keep-alive: a client silent for ``client_timeout_s`` while it has requests
+    in flight is taken as gone, and its requests are aborted."""
+
+
+class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted", tag_field="type"):
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta", tag_field="type"):
+    """New tokens of one sample since the last Delta (streaming requests only)."""
+
+    request_id: str
+    index: int
+    """Sample index (0..n-1)."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    queue_s: float
+    """Arrival to first scheduled."""
+    ttft_s: float
+    """Arrival to first output token."""
+    total_s: float
+    """Arrival to finish."""
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished", tag_field="type"):
+    request_id: str
+    completion: Completion
+    usage: Usage
+    timings: Timings
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
+    """A request or frame the server refused, or a request it could not finish.
+
+    Codes: ``bad_request`` (malformed frame, wrong types, invalid params),
+    ``duplicate`` (request id in use), ``unknown_request``, ``rejected`` (can never
+    fit), ``overloaded`` (waiting queue full), ``worker_lost`` (no worker to finish
+    it), ``shutting_down``.
+    """
+
+    request_id: str | None
+    code: str
+    message: str
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    pid: int
+    device: str
+    state: str
+    """``starting``, ``ready``, ``lost``."""
+    num_gpu_blocks: int | None = None
+
+
+class HealthStatus(
+    msgspec.Struct, frozen=True, kw_only=True, tag="health_status", tag_field="type"
+):
+    status: str
+    """``ok`` (serving), ``starting`` (no worker yet), ``degraded`` (a worker was lost)."""
+    workers_ready: int
+    workers_expected: int
+    step: int
+    uptime_s: float
+
+
+class InspectReply(
+    msgspec.Struct, frozen=True, kw_only=True, tag="inspect_reply", tag_field="type"
+):
+    snapshot: SchedulerSnapshot | None
+    """None until the first worker registered (the budget is sized from it)."""
+    workers: list[WorkerInfo]
+    config: dict[str, object]
+    model: str
+    frontend: str
+
+
+class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):
+    """Answer to Abort. ``aborted`` is False when the request had already finished; an
+    unknown id gets ErrorReply(code="unknown_request") instead. The aborted request's
+    own waiter then gets Finished with finish_reason "abort"."""
+
+    request_id: str
+    aborted: bool
+
+
+class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong", tag_field="type"):
+    pass
+
+
+ClientMessage = Generate | Abort | Inspect | Health | Ping
+ServerMessage = (
+    Accepted | Delta | Finished | ErrorReply | AbortAck | HealthStatus | InspectReply | Pong
+)
+WorkerMessage = WorkerJoin | WorkerHello | StepResult | Heartbeat | WorkerError
+ControlMessage = WorkerSetup | AttachSwapPool | BatchPlan | Shutdown
+Message = ClientMessage | ServerMessage | WorkerMessage | ControlMessage | SchedulerSnapshot
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+"""What the scheduler's frontend accepts."""
+server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+"""What clients accept."""
+worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+"""What the scheduler accepts from workers."""
+control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+"""What workers accept from the scheduler."""
 
 
 def encode(message: Message) -> bytes:
