@@ -197,8 +197,8 @@ class ModelRunner:
         self.kv_cache.copy(plan.copies)
         swapped = time.perf_counter()
         for new in plan.new_seqs:
-            if new.seq_id in self.seqs:
-                raise WorkerStateError(f"new sequence {new.seq_id!r} is already known")
+            # Full data replaces any state held for that id: after another rank was lost,
+            # the scheduler resends every sequence and this rank's old state is stale.
             self.seqs[new.seq_id] = _RunnerSeq(
                 request_id=new.request_id,
                 sample_index=new.sample_index,

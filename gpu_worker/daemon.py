@@ -1,0 +1,189 @@
+"""The worker daemon: joins the scheduler, loads the model, runs every plan it gets.
+
+Protocol (one DEALER socket): send WorkerJoin; receive WorkerSetup; load the model and
+size the KV cache; send WorkerHello; then for each BatchPlan send its StepResult.
+AttachSwapPool maps the scheduler's swap pool; Shutdown leaves with status 0. A plan
+runs on an executor thread while this thread keeps sending heartbeats, so a long step
+is never mistaken for a dead worker. A worker that cannot serve sends WorkerError and
+exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+
+import msgspec
+import zmq
+
+from gpu_worker.model_runner import ModelRunner, resolve_device
+from ipc.schema import (
+    AttachSwapPool,
+    BatchPlan,
+    Heartbeat,
+    Shutdown,
+    StepResult,
+    WorkerError,
+    WorkerHello,
+    WorkerJoin,
+    WorkerSetup,
+    control_decoder,
+    encode,
+)
+from shared.swap_pool import SwapPoolSegment
+
+log = logging.getLogger("expeditor.worker")
+
+HEARTBEAT_S = 0.5
+SETUP_TIMEOUT_S = 120.0
+
+
+class WorkerDaemon:
+    def __init__(self, rank: int, endpoint: str, device: str) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.device = resolve_device(device)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.IDENTITY, f"worker-{rank}-{os.getpid()}".encode())
+        self.sock.connect(endpoint)
+        self.runner: ModelRunner | None = None
+        self.pool: SwapPoolSegment | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.stop = False
+        self.last_beat = 0.0
+
+    def _send(self, message: msgspec.Struct) -> None:
+        self.sock.send(encode(message))  # type: ignore[arg-type]
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_S:
+            self._send(Heartbeat(rank=self.rank))
+            self.last_beat = now
+
+    def _recv(self, timeout_s: float) -> object | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return control_decoder.decode(self.sock.recv())
+
+    def _fail(self, message: str) -> int:
+        log.error("rank %d cannot serve: %s", self.rank, message)
+        self._send(WorkerError(rank=self.rank, message=message))
+        return 1
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._serve()
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            if self.runner is not None:
+                self.runner.kv_cache.detach_swap_pool()
+            if self.pool is not None:
+                self.pool.close()
+            self.sock.close()
+            self.ctx.term()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop = True
+
+    def _serve(self) -> int:
+        self._send(WorkerJoin(rank=self.rank, pid=os.getpid(), device=str(self.device)))
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        setup = None
+        while setup is None:
+            if self.stop:
+                return 0
+            if time.monotonic() > deadline:
+                log.error("no setup from the scheduler at %s", self.endpoint)
+                return 1
+            message = self._recv(0.2)
+            if isinstance(message, Shutdown):
+                log.error("the scheduler refused this worker")
+                return 1
+            if isinstance(message, WorkerSetup):
+                setup = message
+        try:
+            hello = self._setup(setup)
+        except Exception as exc:  # loading can fail in many ways; all are fatal here
+            return self._fail(f"{type(exc).__name__}: {exc}")
+        self._send(hello)
+        log.info("rank %d ready on %s: %d KV blocks", self.rank, self.device, hello.num_gpu_blocks)
+        pending: tuple[Future[StepResult], int] | None = None
+        while not self.stop:
+            self._beat()
+            if pending is not None and pending[0].done():
+                future, _ = pending
+                pending = None
+                try:
+                    self._send(future.result())
+                except Exception as exc:
+                    return self._fail(f"step failed: {type(exc).__name__}: {exc}")
+            if pending is not None:
+                time.sleep(0.001)
+                continue
+            try:
+                message = self._recv(0.1)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return self._fail(f"malformed control frame: {exc}")
+            if message is None:
+                continue
+            if isinstance(message, BatchPlan):
+                assert self.runner is not None
+                pending = (self.executor.submit(self.runner.execute, message), message.step)
+            elif isinstance(message, AttachSwapPool):
+                self._attach(message.name)
+            elif isinstance(message, Shutdown):
+                log.info("rank %d: shutdown", self.rank)
+                return 0
+        return 0
+
+    def _setup(self, setup: WorkerSetup) -> WorkerHello:
+        model_dir = setup.model
+        if not model_dir:
+            from gpu_worker.tiny_model import default_model_dir
+
+            model_dir = str(default_model_dir())
+        self.runner = ModelRunner(
+            model_dir,
+            device=self.device,
+            block_size=setup.block_size,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            num_gpu_blocks=setup.num_gpu_blocks or (None if self.device.type == "cuda" else 1024),
+            gpu_memory_utilization=setup.gpu_memory_utilization,
+        )
+        if setup.swap_pool:
+            self._attach(setup.swap_pool)
+        return WorkerHello(
+            rank=self.rank,
+            pid=os.getpid(),
+            device=str(self.device),
+            num_gpu_blocks=self.runner.num_gpu_blocks,
+            kv_bytes_per_block=self.runner.layout.bytes_per_block,
+            block_size=setup.block_size,
+            model=os.path.abspath(model_dir),
+            eos_token_id=self.runner.eos_token_id,
+        )
+
+    def _attach(self, name: str) -> None:
+        assert self.runner is not None
+        if self.pool is not None:
+            return
+        self.pool = SwapPoolSegment.attach(name)
+        self.runner.kv_cache.attach_swap_pool(self.pool)
+
+
+def run_worker(rank: int, endpoint: str, device: str) -> int:
+    try:
+        daemon = WorkerDaemon(rank, endpoint, device)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return daemon.run()

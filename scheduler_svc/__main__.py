@@ -1,0 +1,5 @@
+"""``python -m scheduler_svc``: the ``expeditor`` command line."""
+
+from scheduler_svc.cli import main
+
+main()

@@ -1,0 +1,102 @@
+"""``expeditor serve``, ``scheduler`` and ``worker``: the daemons."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from scheduler_svc.cli import app, fail, resolve_config
+from scheduler_svc.cli_options import with_config_options, with_server_options
+from shared.errors import ConfigError
+from shared.server_config import ServerConfig, load_server_config
+
+ConfigFile = Annotated[
+    Path | None, typer.Option("--config", help="TOML file with [server] and [scheduler] tables.")
+]
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _server(config_file: Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    try:
+        return load_server_config(config_file, overrides=overrides)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@app.command()
+@with_server_options()
+@with_config_options
+def serve(
+    config: ConfigFile = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    *,
+    server_overrides: dict[str, Any],
+    config_overrides: dict[str, Any],
+) -> None:
+    """Start the scheduler and its workers, supervised; print the frontend address once
+    ready to serve; stop everything on SIGINT/SIGTERM.
+
+    Without --frontend the sockets live in a new private (0700) runtime directory.
+    """
+    _logging(verbose)
+    from scheduler_svc.supervisor import run_serve
+
+    raise typer.Exit(
+        run_serve(_server(config, server_overrides), resolve_config(config, config_overrides))
+    )
+
+
+@app.command()
+@with_server_options()
+@with_config_options
+def scheduler(
+    config: ConfigFile = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    *,
+    server_overrides: dict[str, Any],
+    config_overrides: dict[str, Any],
+) -> None:
+    """Run the scheduler daemon (speaks sd_notify: READY=1, WATCHDOG=1)."""
+    _logging(verbose)
+    from scheduler_svc.daemon import run_scheduler
+
+    server = _server(config, server_overrides)
+    if not server.frontend or not server.worker_endpoint:
+        fail("the scheduler needs --frontend and --worker-endpoint (or the [server] table)")
+    try:
+        code = run_scheduler(server, resolve_config(config, config_overrides))
+    except ConfigError as exc:
+        fail(str(exc), code=1)
+    raise typer.Exit(code)
+
+
+@app.command()
+@with_server_options(("worker_endpoint", "device"))
+def worker(
+    rank: Annotated[int, typer.Option(help="This worker's rank (0..workers-1).")] = 0,
+    config: ConfigFile = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    *,
+    server_overrides: dict[str, Any],
+) -> None:
+    """Run one GPU worker: connect to the scheduler, load the model, run its plans."""
+    _logging(verbose)
+    server = _server(config, server_overrides)
+    if not server.worker_endpoint:
+        fail("the worker needs --worker-endpoint (or the [server] table)")
+    if rank < 0:
+        fail(f"--rank must be >= 0, got {rank}")
+    from gpu_worker.daemon import run_worker
+
+    raise typer.Exit(run_worker(rank, server.worker_endpoint, server.device))

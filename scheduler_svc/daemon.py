@@ -1,0 +1,572 @@
+"""The scheduler daemon: the core behind a ZeroMQ frontend, driving worker processes.
+
+Tasks on one (uv)loop:
+- frontend: client frames in (Generate, Abort, Inspect, Health, Ping), replies out;
+- backend: worker frames in (join, hello, heartbeats, step results);
+- step loop: schedule -> send the plan to every worker -> await their results ->
+  update; it never waits on a client (sends are non-blocking);
+- outputs: detokenize, stop strings, Delta / Finished, while the next step runs;
+- housekeeping: lost workers, silent clients, the systemd watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.schema import (
+    Abort,
+    AbortAck,
+    Accepted,
+    AttachSwapPool,
+    ErrorReply,
+    Generate,
+    Health,
+    HealthStatus,
+    Heartbeat,
+    Inspect,
+    InspectReply,
+    Ping,
+    Pong,
+    ServerMessage,
+    Shutdown,
+    StepResult,
+    WorkerError,
+    WorkerHello,
+    WorkerJoin,
+    WorkerSetup,
+    client_decoder,
+    encode,
+    worker_decoder,
+)
+from scheduler_svc.detokenizer import load_tokenizer
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
+from scheduler_svc.request import FinishReason, RejectedError
+from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from scheduler_svc.workers import WorkerHandle, WorkerRegistry
+from shared import sdnotify
+from shared.config import SchedulerConfig
+from shared.errors import ConfigError
+from shared.server_config import ServerConfig
+from shared.swap_pool import SwapPoolSegment
+
+log = logging.getLogger("expeditor.scheduler")
+
+REJECT_CODES = {"invalid": "bad_request", "too_long": "rejected", "overloaded": "overloaded"}
+
+
+class WorkerLostError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Inflight:
+    step: int
+    pending: set[bytes]
+    results: dict[int, StepResult] = field(default_factory=dict)
+    future: asyncio.Future[StepResult] | None = None
+
+
+def _model_max_len(model_dir: str) -> int | None:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
+
+
+class SchedulerDaemon:
+    def __init__(self, server: ServerConfig, config: SchedulerConfig) -> None:
+        if not server.frontend or not server.worker_endpoint:
+            raise ConfigError("the scheduler needs frontend and worker_endpoint addresses")
+        self.server = server
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.frontend = self._bind(server.frontend)
+        self.backend = self._bind(server.worker_endpoint)
+        self.registry = WorkerRegistry(server.workers, server.worker_timeout_s)
+        self.core: Scheduler | None = None
+        self.outputs = OutputProcessor(None, self._send, self._stop_seq)
+        self.model = server.model
+        self.swap_pool: SwapPoolSegment | None = None
+        self.backlog: list[tuple[bytes, Generate]] = []
+        self.clients: dict[bytes, float] = {}
+        self.client_requests: dict[bytes, set[str]] = {}
+        self.events: asyncio.Queue[StepEvents | tuple[str, str, str, str]] = asyncio.Queue()
+        self.wake = asyncio.Event()
+        self.stop_event = asyncio.Event()
+        self.inflight: _Inflight | None = None
+        self.started = time.monotonic()
+        self.loop_alive = self.started
+        self.short_since: float | None = self.started
+        self.stopping = False
+
+    def _bind(self, address: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if address.startswith("ipc://"):
+            Path(address[len("ipc://") :]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"cannot bind {address}: {exc}") from None
+        return sock
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, message: ServerMessage) -> None:
+        """Never blocks: a client that cannot take more loses the message (logged)."""
+        try:
+            self.frontend.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a %s for a client that is not reading", type(message).__name__)
+
+    def _send_worker(self, handle: WorkerHandle, message: msgspec.Struct) -> None:
+        self.backend.send_multipart([handle.identity, encode(message)])  # type: ignore[arg-type]
+
+    # -- run -------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        tasks = [
+            asyncio.create_task(coro, name=name)
+            for name, coro in (
+                ("frontend", self._frontend_loop()),
+                ("backend", self._backend_loop()),
+                ("steps", self._step_loop()),
+                ("outputs", self._output_loop()),
+                ("housekeeping", self._housekeeping_loop()),
+            )
+        ]
+        log.info("serving on %s, workers on %s", self.server.frontend, self.server.worker_endpoint)
+        sdnotify.ready(f"serving on {self.server.frontend}")
+        stop = asyncio.create_task(self.stop_event.wait())
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t is not stop and t.exception() is not None]
+        await self._shutdown(tasks)
+        if failed:
+            exc = failed[0].exception()
+            log.error("task %s failed: %r", failed[0].get_name(), exc)
+            return 1
+        return 0
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        self.stopping = True
+        sdnotify.stopping()
+        for request_id in list(self.outputs.requests):
+            self.outputs.fail(request_id, "shutting_down", "the server is shutting down")
+        for handle in list(self.registry.workers.values()):
+            self._send_worker(handle, Shutdown())
+        await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.frontend.close(linger=0)
+        self.backend.close(linger=0)
+        self.ctx.term()
+        if self.swap_pool is not None:
+            self.swap_pool.close()
+
+    # -- clients ---------------------------------------------------------------------------
+
+    async def _frontend_loop(self) -> None:
+        while True:
+            frames = await self.frontend.recv_multipart()
+            identity = frames[0]
+            self.clients[identity] = time.monotonic()
+            if len(frames) != 2:
+                self._send(
+                    identity,
+                    ErrorReply(
+                        request_id=None,
+                        code="bad_request",
+                        message="expected one frame per message",
+                    ),
+                )
+                continue
+            try:
+                message = client_decoder.decode(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._send(
+                    identity,
+                    ErrorReply(
+                        request_id=None, code="bad_request", message=f"malformed message: {exc}"
+                    ),
+                )
+                continue
+            if isinstance(message, Generate):
+                self._generate(identity, message)
+            elif isinstance(message, Abort):
+                self._abort(identity, message.request_id)
+            elif isinstance(message, Inspect):
+                self._send(identity, self._inspect())
+            elif isinstance(message, Health):
+                self._send(identity, self._health())
+            elif isinstance(message, Ping):
+                self._send(identity, Pong())
+
+    def _refuse(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
+        self._send(identity, ErrorReply(request_id=request_id, code=code, message=message))
+
+    def _generate(self, identity: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        if self.stopping:
+            return self._refuse(identity, rid, "shutting_down", "the server is shutting down")
+        if not rid:
+            return self._refuse(identity, rid, "bad_request", "request_id must not be empty")
+        if (msg.prompt is None) == (msg.prompt_token_ids is None):
+            return self._refuse(
+                identity, rid, "bad_request", "give exactly one of prompt and prompt_token_ids"
+            )
+        if rid in self.outputs.requests:
+            return self._refuse(identity, rid, "duplicate", f"request_id {rid!r} is in use")
+        if self.core is None:
+            if len(self.backlog) >= self.config.max_waiting_requests:
+                return self._refuse(
+                    identity, rid, "overloaded", "no worker yet and the queue is full"
+                )
+            self.backlog.append((identity, msg))
+            self.outputs.requests[rid] = self._client_request(identity, msg, [])
+            return None
+        self._submit(identity, msg)
+        return None
+
+    def _client_request(self, identity: bytes, msg: Generate, prompt: list[int]) -> ClientRequest:
+        self.client_requests.setdefault(identity, set()).add(msg.request_id)
+        return ClientRequest(
+            request_id=msg.request_id,
+            client=identity,
+            stream=msg.stream,
+            params=msg.sampling,
+            prompt_token_ids=prompt,
+            arrival=time.monotonic(),
+        )
+
+    def _submit(self, identity: bytes, msg: Generate) -> None:
+        assert self.core is not None and self.outputs.tokenizer is not None
+        rid = msg.request_id
+        if msg.prompt is not None:
+            prompt = self.outputs.tokenizer.encode(msg.prompt, add_special_tokens=True).ids
+        else:
+            prompt = list(msg.prompt_token_ids or [])
+        try:
+            self.core.add_request(rid, prompt, msg.sampling, priority=msg.priority)
+        except RejectedError as exc:
+            self.outputs.requests.pop(rid, None)
+            code = "duplicate" if "already in use" in exc.message else REJECT_CODES[exc.code]
+            return self._refuse(identity, rid, code, exc.message)
+        request = self.outputs.requests.get(rid) or self._client_request(identity, msg, prompt)
+        request.prompt_token_ids = prompt
+        self.outputs.requests[rid] = request
+        self._send(identity, Accepted(request_id=rid, prompt_token_ids=prompt))
+        self.wake.set()
+        return None
+
+    def _abort(self, identity: bytes, request_id: str) -> None:
+        if request_id not in self.outputs.requests:
+            return self._refuse(
+                identity, request_id, "unknown_request", f"no live request {request_id!r}"
+            )
+        self._end_request(request_id)
+        self._send(identity, AbortAck(request_id=request_id, aborted=True))
+        return None
+
+    def _end_request(self, request_id: str) -> None:
+        """Abort in the core (any state) and finish it for the client, in event order."""
+        self.backlog = [(i, m) for i, m in self.backlog if m.request_id != request_id]
+        if self.core is not None:
+            self.core.abort(request_id)
+        self.events.put_nowait(("finish", request_id, "abort", ""))
+
+    def _stop_seq(self, seq_id: str) -> None:
+        """A stop string ended a sample: end it in the core; finish the request if done."""
+        if self.core is None:
+            return
+        seq = self.core.seqs.get(seq_id)
+        if seq is None:
+            return
+        self.core.finish_seq(seq_id, FinishReason.STOP)
+        if seq.request.finished:
+            self.outputs.finish(seq.request.request_id)
+
+    def _inspect(self) -> InspectReply:
+        config = self.core.config if self.core is not None else self.config
+        return InspectReply(
+            snapshot=self.core.snapshot() if self.core is not None else None,
+            workers=self.registry.info(),
+            config=msgspec.to_builtins(config),
+            model=self.model,
+            frontend=self.server.frontend,
+        )
+
+    def _health(self) -> HealthStatus:
+        ready = len(self.registry.ready())
+        if self.core is None or not self.registry.ever_ready:
+            status = "starting"
+        elif ready >= self.registry.expected:
+            status = "ok"
+        else:
+            status = "degraded"
+        return HealthStatus(
+            status=status,
+            workers_ready=ready,
+            workers_expected=self.registry.expected,
+            step=self.core.step if self.core is not None else 0,
+            uptime_s=time.monotonic() - self.started,
+        )
+
+    # -- workers ---------------------------------------------------------------------------
+
+    async def _backend_loop(self) -> None:
+        while True:
+            frames = await self.backend.recv_multipart()
+            if len(frames) != 2:
+                continue
+            identity, payload = frames
+            try:
+                message = worker_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("malformed worker frame: %s", exc)
+                continue
+            handle = self.registry.get(identity)
+            if handle is not None:
+                handle.last_seen = time.monotonic()
+            if isinstance(message, WorkerJoin):
+                self._on_join(identity, message)
+            elif handle is None:
+                continue  # a frame from a worker already declared lost
+            elif isinstance(message, WorkerHello):
+                self._on_hello(handle, message)
+            elif isinstance(message, StepResult):
+                self._on_result(handle, message)
+            elif isinstance(message, WorkerError):
+                log.error("worker rank %d: %s", message.rank, message.message)
+                self._lose(handle.identity)
+            elif isinstance(message, Heartbeat):
+                pass
+
+    def _on_join(self, identity: bytes, join: WorkerJoin) -> None:
+        try:
+            handle = self.registry.join(identity, join, time.monotonic())
+        except ValueError as exc:
+            log.error("refusing worker pid %d: %s", join.pid, exc)
+            self.backend.send_multipart([identity, encode(Shutdown())])
+            return
+        log.info("worker rank %d (pid %d, %s) joined", join.rank, join.pid, join.device)
+        blocks = self.core.config.num_gpu_blocks if self.core else self.config.num_gpu_blocks
+        self._send_worker(
+            handle,
+            WorkerSetup(
+                model=self.server.model,
+                block_size=self.config.block_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                num_gpu_blocks=blocks,
+                gpu_memory_utilization=self.server.gpu_memory_utilization,
+                swap_pool=self.swap_pool.name if self.swap_pool else None,
+            ),
+        )
+
+    def _on_hello(self, handle: WorkerHandle, hello: WorkerHello) -> None:
+        if hello.block_size != self.config.block_size:
+            return self._reject_worker(handle, f"block_size {hello.block_size}")
+        if self.core is None:
+            self._create_core(hello)
+            for other in self.registry.workers.values():
+                if other is not handle and self.swap_pool is not None:
+                    self._send_worker(other, AttachSwapPool(name=self.swap_pool.name))
+        else:
+            assert self.core.config.num_gpu_blocks is not None
+            if hello.num_gpu_blocks < self.core.config.num_gpu_blocks:
+                return self._reject_worker(handle, f"only {hello.num_gpu_blocks} KV blocks")
+            if hello.kv_bytes_per_block != self.core.cost_model.kv_bytes_per_block:
+                return self._reject_worker(handle, "a different KV block size in bytes")
+        if self.swap_pool is not None and handle.hello is None:
+            self._send_worker(handle, AttachSwapPool(name=self.swap_pool.name))
+        self.registry.mark_ready(handle, hello)
+        log.info("worker rank %d ready: %d KV blocks", hello.rank, hello.num_gpu_blocks)
+        self.wake.set()
+        return None
+
+    def _reject_worker(self, handle: WorkerHandle, why: str) -> None:
+        log.error("worker rank %d does not match this server: %s", handle.rank, why)
+        self._send_worker(handle, Shutdown())
+        self.registry.drop(handle.identity)
+
+    def _create_core(self, hello: WorkerHello) -> None:
+        self.model = hello.model
+        max_len = _model_max_len(hello.model) or self.config.max_model_len
+        config = msgspec.structs.replace(
+            self.config,
+            num_gpu_blocks=hello.num_gpu_blocks,
+            max_model_len=min(self.config.max_model_len, max_len),
+        )
+        if config.num_cpu_blocks:
+            self.swap_pool = SwapPoolSegment.create(config.num_cpu_blocks, hello.kv_bytes_per_block)
+        self.outputs.tokenizer = load_tokenizer(hello.model)
+        self.core = Scheduler(
+            config, eos_token_id=hello.eos_token_id, kv_bytes_per_block=hello.kv_bytes_per_block
+        )
+        backlog, self.backlog = self.backlog, []
+        for identity, msg in backlog:
+            self._submit(identity, msg)
+
+    def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
+        inflight = self.inflight
+        if (
+            inflight is None
+            or result.step != inflight.step
+            or handle.identity not in inflight.pending
+        ):
+            return
+        inflight.pending.discard(handle.identity)
+        inflight.results[handle.rank] = result
+        if not inflight.pending and inflight.future is not None and not inflight.future.done():
+            inflight.future.set_result(inflight.results[min(inflight.results)])
+
+    def _lose(self, identity: bytes) -> None:
+        handle = self.registry.drop(identity)
+        if handle is not None:
+            self._on_lost(handle)
+
+    def _on_lost(self, handle: WorkerHandle) -> None:
+        """The device cache of a dropped worker is gone: fail the step in flight (the
+        step loop then re-queues), or re-queue now if idle."""
+        log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
+        if self.inflight is not None and self.inflight.future is not None:
+            if not self.inflight.future.done():
+                self.inflight.future.set_exception(WorkerLostError(f"rank {handle.rank}"))
+        elif self.core is not None:
+            self.core.on_worker_lost()
+
+    # -- the step loop -------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.loop_alive = time.monotonic()
+            core = self.core
+            ready = self.registry.ready()
+            if core is None or len(ready) < self.registry.expected or not core.has_work():
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+                continue
+            plan = core.schedule()
+            inflight = _Inflight(
+                plan.step, {w.identity for w in ready}, future=loop.create_future()
+            )
+            self.inflight = inflight
+            payload = encode(plan)
+            for handle in ready:
+                await self.backend.send_multipart([handle.identity, payload])
+            try:
+                assert inflight.future is not None
+                result = await inflight.future
+            except WorkerLostError:
+                self.inflight = None
+                core.on_worker_lost()
+                continue
+            self.inflight = None
+            outcome = core.update(result)
+            self.events.put_nowait(self._capture(plan.new_seqs, outcome, result))
+
+    def _capture(self, new_seqs: list, outcome: UpdateOutcome, result: StepResult) -> StepEvents:
+        return StepEvents(
+            tokens=[
+                (s.request.request_id, s.sample_index, s.seq_id, s.token_ids[-1])
+                for s in outcome.advanced
+            ],
+            finished_seqs=[
+                (s.request.request_id, s.sample_index, str(s.finish_reason))
+                for s in outcome.finished
+            ],
+            finished_requests=[r.request_id for r in outcome.finished_requests],
+            logprobs=dict(result.logprobs or {}),
+            scheduled_requests=[n.request_id for n in new_seqs],
+            time=time.monotonic(),
+        )
+
+    async def _output_loop(self) -> None:
+        while True:
+            item = await self.events.get()
+            if isinstance(item, StepEvents):
+                self.outputs.on_step(item)
+            elif item[0] == "finish":
+                self.outputs.finish(item[1], item[2])
+            else:
+                self.outputs.fail(item[1], item[2], item[3])
+
+    # -- housekeeping --------------------------------------------------------------------
+
+    async def _housekeeping_loop(self) -> None:
+        interval = sdnotify.watchdog_interval()
+        last_ping = 0.0
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for handle in self.registry.expire(now):
+                self._on_lost(handle)
+            self._check_worker_wait(now)
+            self._check_clients(now)
+            if interval and now - last_ping >= interval and now - self.loop_alive < 2 * interval:
+                sdnotify.watchdog()
+                last_ping = now
+
+    def _check_worker_wait(self, now: float) -> None:
+        if len(self.registry.ready()) >= self.registry.expected:
+            self.short_since = None
+            return
+        if self.short_since is None:
+            self.short_since = now
+        if now - self.short_since < self.server.worker_wait_s or not self.outputs.requests:
+            return
+        message = f"no worker for {self.server.worker_wait_s:g} s"
+        for request_id in list(self.outputs.requests):
+            self.backlog = [(i, m) for i, m in self.backlog if m.request_id != request_id]
+            if self.core is not None:
+                self.core.abort(request_id)
+            self.events.put_nowait(("fail", request_id, "worker_lost", message))
+
+    def _check_clients(self, now: float) -> None:
+        for identity, last_seen in list(self.clients.items()):
+            if now - last_seen <= self.server.client_timeout_s:
+                continue
+            live = [r for r in self.client_requests.get(identity, ()) if r in self.outputs.requests]
+            for request_id in live:
+                log.info("client went silent: aborting %s", request_id)
+                self._end_request(request_id)
+            del self.clients[identity]
+            self.client_requests.pop(identity, None)
+
+
+def run_scheduler(server: ServerConfig, config: SchedulerConfig) -> int:
+    """Run the daemon until SIGINT/SIGTERM; the exit status for the process."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+
+    async def main() -> int:
+        daemon = SchedulerDaemon(server, config)
+        return await daemon.run()
+
+    return runner(main())

@@ -1,0 +1,82 @@
+"""Text for the scheduler daemon: prompt encoding and incremental detokenization.
+
+Uses the ``tokenizers`` library on the checkpoint's ``tokenizer.json`` directly, so the
+scheduler process never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the scheduler needs a fast tokenizer file")
+    return Tokenizer.from_file(str(path))
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token sequence, holding back incomplete UTF-8.
+
+    Decodes only a short window (from ``prefix_offset``), so each step costs the
+    window, not the whole output. Stop strings are searched in the new text plus the
+    tail that could start a match.
+    """
+
+    WINDOW_TAIL = 6
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._emitted = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns text now safe to show (may be empty).
+
+        With stop strings, the last ``len(longest stop) - 1`` characters are held back
+        until they cannot start a stop string; :meth:`flush` releases them at the end.
+        After a stop string is found, ``stopped`` is set, ``text`` ends before it, and
+        later tokens are ignored.
+        """
+        if self.stopped:
+            return ""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence: wait for the rest
+        delta = full[len(prefix) :]
+        self._prefix_offset = max(self._read_offset - self.WINDOW_TAIL, 0)
+        self._read_offset = len(self.token_ids)
+        combined = self.text + delta
+        if self.stop:
+            start = max(len(self.text) - self._max_stop + 1, 0)
+            found = [i for i in (combined.find(s, start) for s in self.stop) if i >= 0]
+            if found:
+                self.stopped = True
+                self.text = combined[: min(found)]
+                return self.flush()
+        self.text = combined
+        safe_end = len(combined) - max(self._max_stop - 1, 0)
+        if safe_end <= self._emitted:
+            return ""
+        emitted, self._emitted = self._emitted, safe_end
+        return combined[emitted:safe_end]
+
+    def flush(self) -> str:
+        """Text not shown yet (held back for a possible stop string)."""
+        rest = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return rest

@@ -1,0 +1,174 @@
+"""Turning scheduler progress into client events: detokenize, stop strings, Finished.
+
+The step loop only records what changed (:class:`StepEvents`, cheap); the
+:class:`OutputProcessor` turns that into Delta / Finished / ErrorReply messages in
+its own task, while the worker computes the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from ipc.schema import Delta, ErrorReply, Finished, ServerMessage, Timings, Usage
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from shared.outputs import Completion, CompletionSample
+from shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class StepEvents:
+    """What one update changed, captured in the step loop."""
+
+    tokens: list[tuple[str, int, str, int]] = field(default_factory=list)
+    """(request id, sample index, sequence id, new token)."""
+    finished_seqs: list[tuple[str, int, str]] = field(default_factory=list)
+    """(request id, sample index, finish reason)."""
+    finished_requests: list[str] = field(default_factory=list)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    """sequence id -> logprobs entries of this step (n entries on a fork step)."""
+    scheduled_requests: list[str] = field(default_factory=list)
+    """Requests scheduled for the first time in this step."""
+    time: float = 0.0
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    request_id: str
+    client: bytes
+    stream: bool
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+
+
+Send = Callable[[bytes, ServerMessage], None]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, send: Send, finish_seq: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.send = send
+        self.finish_seq = finish_seq
+        self.requests: dict[str, ClientRequest] = {}
+
+    def _sample(self, req: ClientRequest, index: int) -> IncrementalDetokenizer:
+        detok = req.samples.get(index)
+        if detok is None:
+            assert self.tokenizer is not None, "outputs before the tokenizer was loaded"
+            detok = req.samples[index] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        return detok
+
+    def on_step(self, events: StepEvents) -> None:
+        now = events.time
+        for request_id in events.scheduled_requests:
+            req = self.requests.get(request_id)
+            if req is not None and req.first_scheduled is None:
+                req.first_scheduled = now
+        ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
+        for request_id, index, seq_id, token in events.tokens:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            detok = self._sample(req, index)
+            if detok.stopped:
+                continue
+            if req.first_token is None:
+                req.first_token = now
+            entries = events.logprobs.get(seq_id)
+            entry = None
+            if entries:
+                # A fork step carries one entry per sample, in sample order.
+                entry = entries[index] if len(entries) > 1 else entries[0]
+                req.logprobs.setdefault(index, []).append(entry)
+            text = detok.add(token)
+            reason = ended.get((request_id, index))
+            if detok.stopped and index not in req.reasons:
+                reason = "stop"
+                self.finish_seq(seq_id)
+            if reason is not None:
+                req.reasons.setdefault(index, reason)
+                text += detok.flush()
+            if req.stream:
+                self.send(
+                    req.client,
+                    Delta(
+                        request_id=request_id,
+                        index=index,
+                        token_ids=[token],
+                        text=text,
+                        finish_reason=reason,
+                        logprobs=None if entry is None else [entry],
+                    ),
+                )
+        for request_id, index, reason in events.finished_seqs:
+            req = self.requests.get(request_id)
+            if req is not None:
+                req.reasons.setdefault(index, reason)
+        for request_id in events.finished_requests:
+            self.finish(request_id)
+
+    def finish(self, request_id: str, reason_for_rest: str = "abort") -> None:
+        """Send Finished; samples with no reason yet end with ``reason_for_rest``."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        now = time.monotonic()
+        samples = []
+        for index in range(req.params.n):
+            detok = self._sample(req, index)
+            reason = req.reasons.get(index, reason_for_rest)
+            tail = detok.flush()
+            if req.stream and (tail or index not in req.reasons):
+                self.send(
+                    req.client,
+                    Delta(
+                        request_id=request_id,
+                        index=index,
+                        token_ids=[],
+                        text=tail,
+                        finish_reason=reason,
+                    ),
+                )
+            samples.append(
+                CompletionSample(
+                    index=index,
+                    token_ids=list(detok.token_ids),
+                    text=detok.text,
+                    finish_reason=reason,
+                    logprobs=req.logprobs.get(index),
+                )
+            )
+        first_scheduled = req.first_scheduled if req.first_scheduled is not None else now
+        first_token = req.first_token if req.first_token is not None else now
+        self.send(
+            req.client,
+            Finished(
+                request_id=request_id,
+                completion=Completion(
+                    request_id=request_id, prompt_token_ids=req.prompt_token_ids, samples=samples
+                ),
+                usage=Usage(
+                    prompt_tokens=len(req.prompt_token_ids),
+                    completion_tokens=sum(len(s.token_ids) for s in samples),
+                ),
+                timings=Timings(
+                    queue_s=first_scheduled - req.arrival,
+                    ttft_s=first_token - req.arrival,
+                    total_s=now - req.arrival,
+                ),
+            ),
+        )
+
+    def fail(self, request_id: str, code: str, message: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.send(req.client, ErrorReply(request_id=request_id, code=code, message=message))

@@ -1,0 +1,136 @@
+"""``expeditor serve``: the scheduler and N workers as supervised child processes.
+
+Starts the scheduler, then the workers; waits until the server answers health "ok";
+prints the frontend address on stdout; restarts a worker that dies (unless told not
+to); on SIGINT/SIGTERM stops everything and removes its private runtime directory.
+Exits non-zero if the scheduler dies or never becomes ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+import msgspec
+
+from ipc.client import Client
+from ipc.errors import ClientTimeoutError, ServerError
+from shared.config import SchedulerConfig, config_to_toml
+from shared.server_config import ServerConfig, server_config_to_toml
+
+log = logging.getLogger("expeditor.serve")
+
+READY_TIMEOUT_S = 300.0
+
+
+class Supervisor:
+    def __init__(self, server: ServerConfig, config: SchedulerConfig) -> None:
+        self.rundir = Path(tempfile.mkdtemp(prefix="expeditor-"))  # mode 0700
+        server = msgspec.structs.replace(
+            server,
+            frontend=server.frontend or f"ipc://{self.rundir}/frontend.sock",
+            worker_endpoint=server.worker_endpoint or f"ipc://{self.rundir}/workers.sock",
+        )
+        self.server = server
+        self.config_path = self.rundir / "expeditor.toml"
+        self.config_path.write_text(server_config_to_toml(server) + "\n" + config_to_toml(config))
+        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        command = [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            *args,
+            "--config",
+            str(self.config_path),
+        ]
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+    def _spawn_worker(self, rank: int) -> None:
+        self.workers[rank] = self._spawn("worker", "--rank", str(rank))
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.scheduler = self._spawn("scheduler")
+            for rank in range(self.server.workers):
+                self._spawn_worker(rank)
+            if not self._wait_ready():
+                return 1
+            print(self.server.frontend, flush=True)
+            return self._supervise()
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with Client(self.server.frontend, timeout=2.0) as client:
+            while time.monotonic() < deadline and not self.stopping:
+                if self.scheduler is None or self.scheduler.poll() is not None:
+                    log.error("the scheduler exited during start-up")
+                    return False
+                self._restart_dead_workers()
+                try:
+                    if client.health().status == "ok":
+                        return True
+                except (ClientTimeoutError, ServerError):
+                    pass
+                time.sleep(0.2)
+        if not self.stopping:
+            log.error("the server did not become ready within %.0f s", READY_TIMEOUT_S)
+        return False
+
+    def _restart_dead_workers(self) -> None:
+        for rank, proc in list(self.workers.items()):
+            if proc.poll() is None:
+                continue
+            if self.server.restart_workers and not self.stopping:
+                log.warning("worker rank %d exited with %s: restarting", rank, proc.returncode)
+                self._spawn_worker(rank)
+            else:
+                log.error("worker rank %d exited with %s", rank, proc.returncode)
+                del self.workers[rank]
+
+    def _supervise(self) -> int:
+        while not self.stopping:
+            assert self.scheduler is not None
+            if self.scheduler.poll() is not None:
+                log.error("the scheduler exited with %s", self.scheduler.returncode)
+                return 1
+            self._restart_dead_workers()
+            time.sleep(0.2)
+        return 0
+
+    def _stop_all(self) -> None:
+        procs = [p for p in (self.scheduler, *self.workers.values()) if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_serve(server: ServerConfig, config: SchedulerConfig) -> int:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return Supervisor(server, config).run()
