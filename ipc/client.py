@@ -436,8 +436,8 @@ class AsyncClient:
         )
 
     async def abort(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
-        """Abort a request (from any client); True if it was aborted, False if it had
-        already finished. An id the server does not know raises
+        """Abort a request by id; True if it was aborted, False if it had already
+        finished. An id the server does not know raises
         :class:`~ipc.errors.UnknownRequestError`. The request's own waiter then ends
         with finish_reason ``abort``."""
         self._ensure_started()

@@ -74,6 +74,7 @@ class OutputProcessor:
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
         ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
+        stopped: list[str] = []
         for request_id, index, seq_id, token in events.tokens:
             req = self.requests.get(request_id)
             if req is None:
@@ -93,7 +94,7 @@ class OutputProcessor:
             reason = ended.get((request_id, index))
             if detok.stopped and index not in req.reasons:
                 reason = "stop"
-                self.finish_seq(seq_id)
+                stopped.append(seq_id)
             if reason is not None:
                 req.reasons.setdefault(index, reason)
                 text += detok.flush()
@@ -113,6 +114,8 @@ class OutputProcessor:
             req = self.requests.get(request_id)
             if req is not None:
                 req.reasons.setdefault(index, reason)
+        for seq_id in stopped:  # after their last Delta went out
+            self.finish_seq(seq_id)
         for request_id in events.finished_requests:
             self.finish(request_id)
 

@@ -1,0 +1,64 @@
+"""Start a real ``expeditor serve`` for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def running_server(
+    model: Path, *flags: str, timeout_s: float = 120.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Yield (frontend address, the serve process); stop it with SIGTERM afterwards."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_svc", "serve", "--model", str(model), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    address = b""
+    while not address.endswith(b"\n"):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            _, err = proc.communicate()
+            raise RuntimeError(f"serve did not become ready: {err.decode()[-3000:]}")
+        if selector.select(timeout=0.2):
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            address += chunk
+    try:
+        yield address.decode().strip(), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        selector.close()
+
+
+def child_pids(parent: int) -> list[int]:
+    """Direct children of ``parent`` (Linux /proc)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

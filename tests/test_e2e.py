@@ -1,0 +1,368 @@
+"""End to end: real `expeditor serve` processes on the tiny model, driven through the
+client library; greedy outputs checked against transformers run alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from transformers import AutoModelForCausalLM
+
+from gpu_worker.tiny_model import make_tiny_model
+from ipc.client import AsyncClient, Client
+from ipc.errors import (
+    BadRequestError,
+    OverloadedError,
+    RequestRejectedError,
+    UnknownRequestError,
+    WorkerLostError,
+)
+from ipc.schema import ErrorReply, Generate, encode, server_decoder
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from tests.e2e_server import child_pids, cmdline, running_server
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "llama", arch="llama")
+
+
+def _prompts(count: int) -> list[list[int]]:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 259) for _ in range(24)]
+    prompts = []
+    for index in range(count):
+        length = rng.randint(3, 60)
+        body = [rng.randrange(3, 259) for _ in range(length)]
+        prompts.append([1, *(shared if index % 4 == 0 else []), *body])
+    return prompts
+
+
+PROMPTS = _prompts(32)
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.eval()
+    outputs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+async def _run_all(address: str) -> list[list[int]]:
+    async with AsyncClient(address, timeout=120) as client:
+        results = await asyncio.gather(
+            *(
+                client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                for p in PROMPTS
+            )
+        )
+    return [r.token_ids for r in results]
+
+
+def _inspect(address: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", "inspect", "--address", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_32_concurrent_requests_match_transformers(model: Path, expected, mode: str) -> None:
+    flags = [
+        "--num-gpu-blocks",
+        "40",
+        "--block-size",
+        "4",
+        "--preemption-mode",
+        mode,
+        "--max-num-batched-tokens",
+        "96",
+        "--watermark",
+        "0",
+    ]
+    if mode == "swap":
+        flags += ["--num-cpu-blocks", "256"]
+    with running_server(model, *flags) as (address, _):
+        outputs = asyncio.run(_run_all(address))
+        state = _inspect(address)
+    for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"prompt {index} ({mode})"
+    preemptions = state["scheduler"]["preemptions"]
+    assert preemptions[mode] > 0, preemptions
+    assert state["workers"][0]["state"] == "ready"
+    assert {"rank", "pid", "device", "state"} <= set(state["workers"][0])
+    assert state["scheduler"]["gpu_blocks"]["free"] == 40
+
+
+@pytest.fixture(scope="module")
+def server(model: Path):
+    with running_server(
+        model,
+        "--num-gpu-blocks",
+        "128",
+        "--max-waiting-requests",
+        "64",
+        "--client-timeout-s",
+        "2",
+        "--max-model-len",
+        "256",
+    ) as (address, proc):
+        yield address, proc
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(server) -> None:
+    address, _ = server
+    with Client(address) as client:
+        stream = client.stream("Stream me, please", max_tokens=24, temperature=0.0, n=2)
+        deltas = list(stream)
+        completion = stream.completion
+    assert completion is not None
+    for sample in completion.samples:
+        mine = [d for d in deltas if d.index == sample.index]
+        assert "".join(d.text for d in mine) == sample.text
+        assert [t for d in mine for t in d.token_ids] == sample.token_ids
+        assert mine[-1].finish_reason == sample.finish_reason
+
+
+def test_stop_string_ends_generation(server) -> None:
+    address, _ = server
+    with Client(address) as client:
+        full = client.generate("Stop strings", max_tokens=30, temperature=0.0)
+        assert len(full.text) >= 8
+        stop = full.text[4:6]
+        cut = full.text.find(stop)
+        stopped = client.generate("Stop strings", max_tokens=30, temperature=0.0, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:cut]
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(full.token_ids)
+
+
+def test_abort_mid_stream_frees_blocks(server) -> None:
+    address, _ = server
+
+    async def scenario() -> tuple[str | None, dict]:
+        async with AsyncClient(address) as client:
+            stream = client.stream(
+                prompt_token_ids=[1] + [50] * 100,
+                max_tokens=150,
+                ignore_eos=True,
+                request_id="long-one",
+            )
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 5:
+                    assert await client.abort("long-one") is True
+            busy = await client.inspect()
+            return stream.completion.finish_reason if stream.completion else None, busy
+
+    reason, _ = asyncio.run(scenario())
+    assert reason == "abort"
+    state = _inspect(address)
+    assert state["scheduler"]["gpu_blocks"]["free"] == state["scheduler"]["gpu_blocks"]["total"]
+    assert state["scheduler"]["finished"]["abort"] >= 1
+
+
+def test_bad_input_gets_errors_and_the_server_keeps_serving(server) -> None:
+    address, _ = server
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(address)
+    try:
+        for frame in (b"\x00garbage", encode(Generate(request_id="x")), b"\x81\xa4type\xa5bogus"):
+            raw.send(frame)
+            assert raw.poll(10_000)
+            reply = server_decoder.decode(raw.recv())
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+        raw.send(b"\x83\xa4type\xa8generate\xaarequest_id\xa1y\xb0prompt_token_ids\x91\xa3abc")
+        assert raw.poll(10_000)
+        reply = server_decoder.decode(raw.recv())
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
+        assert "prompt_token_ids" in reply.message
+    finally:
+        raw.close(linger=0)
+    with Client(address) as client:
+        with pytest.raises(InvalidRequestError):
+            client.generate("hi", temperature=-1.0)
+        with pytest.raises(RequestRejectedError, match="max_model_len"):
+            client.generate(prompt_token_ids=[5] * 300, max_tokens=4)
+        with pytest.raises(UnknownRequestError):
+            client.abort("nobody")
+        assert (
+            client.generate("still here", max_tokens=3, temperature=0.0).usage.completion_tokens
+            == 3
+        )
+
+    async def duplicates() -> None:
+        # Two clients, one id: the server refuses the second (a client refuses its own
+        # duplicates before sending).
+        async with AsyncClient(address) as first, AsyncClient(address) as second:
+            running = asyncio.ensure_future(
+                first.generate(
+                    prompt_token_ids=[1, 5, 6], max_tokens=200, ignore_eos=True, request_id="dup"
+                )
+            )
+            await asyncio.sleep(0.3)
+            with pytest.raises(BadRequestError, match="in use") as refused:
+                await second.generate("again", request_id="dup")
+            assert refused.value.code == "duplicate"
+            await running
+
+    asyncio.run(duplicates())
+
+
+def test_waiting_queue_bound_answers_overloaded(server) -> None:
+    address, _ = server
+
+    async def flood() -> list[BaseException | object]:
+        async with AsyncClient(address, timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(prompt_token_ids=[1, 9, 9], max_tokens=64, ignore_eos=True)
+                    for _ in range(400)
+                ),
+                return_exceptions=True,
+            )
+
+    results = asyncio.run(flood())
+    overloaded = [r for r in results if isinstance(r, OverloadedError)]
+    assert overloaded, "no request was refused as overloaded"
+    assert all(not isinstance(r, BaseException) or isinstance(r, OverloadedError) for r in results)
+    with Client(address) as client:
+        assert client.health().status == "ok"
+
+
+def test_a_client_that_disappears_has_its_requests_aborted(server) -> None:
+    address, _ = server
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(address)
+    raw.send(
+        encode(
+            Generate(
+                request_id="orphan",
+                prompt_token_ids=[1] + [7] * 40,
+                sampling=SamplingParams(max_tokens=1000, ignore_eos=True),
+            )
+        )
+    )
+    assert raw.poll(10_000)
+    raw.close(linger=0)  # gone, no pings
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        state = _inspect(address)
+        if not any(s["request_id"] == "orphan" for s in state["scheduler"]["seqs"]):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the orphaned request was never aborted")
+    assert state["scheduler"]["gpu_blocks"]["free"] == state["scheduler"]["gpu_blocks"]["total"]
+
+
+def _kill_worker(proc: subprocess.Popen[bytes]) -> int:
+    workers = [p for p in child_pids(proc.pid) if " worker " in cmdline(p)]
+    assert workers, "no worker process found"
+    os.kill(workers[0], signal.SIGKILL)
+    return workers[0]
+
+
+def test_killed_worker_is_restarted_and_requests_complete(model: Path, expected) -> None:
+    flags = [
+        "--num-gpu-blocks",
+        "64",
+        "--block-size",
+        "4",
+        "--num-cpu-blocks",
+        "256",
+        "--preemption-mode",
+        "swap",
+        "--max-num-batched-tokens",
+        "64",
+        "--watermark",
+        "0",
+        "--worker-timeout-s",
+        "2",
+    ]
+    with running_server(model, *flags) as (address, proc):
+
+        async def scenario() -> tuple[list[list[int]], float]:
+            async with AsyncClient(address, timeout=180) as client:
+                tasks = [
+                    asyncio.ensure_future(
+                        client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                    )
+                    for p in PROMPTS
+                ]
+                await asyncio.sleep(0.3)
+                killed_at = time.monotonic()
+                _kill_worker(proc)
+                while (await client.health()).status == "ok":
+                    await asyncio.sleep(0.1)
+                noticed = time.monotonic() - killed_at
+                results = await asyncio.gather(*tasks)
+                return [r.token_ids for r in results], noticed
+
+        outputs, noticed = asyncio.run(scenario())
+    assert noticed < 6.0
+    for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"prompt {index}"
+
+
+def test_without_restarts_in_flight_requests_fail_explicitly(model: Path) -> None:
+    flags = [
+        "--num-gpu-blocks",
+        "512",
+        "--no-restart-workers",
+        "--worker-timeout-s",
+        "2",
+        "--worker-wait-s",
+        "3",
+    ]
+    with running_server(model, *flags) as (address, proc):
+
+        async def scenario() -> list[BaseException | object]:
+            async with AsyncClient(address, timeout=60) as client:
+                tasks = [
+                    asyncio.ensure_future(
+                        client.generate(
+                            prompt_token_ids=[1, 4, 5, 6], max_tokens=1500, ignore_eos=True
+                        )
+                    )
+                    for _ in range(4)
+                ]
+                await asyncio.sleep(0.5)
+                _kill_worker(proc)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(scenario())
+    assert all(isinstance(r, WorkerLostError) for r in results), results
