@@ -47,6 +47,12 @@ class WorkerDaemon:
         self.rank = rank
         self.endpoint = endpoint
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            # Leave a core to the scheduler process: spinning intra-op threads on every
+            # core starve it and the step loop waits on them.
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)

@@ -30,7 +30,7 @@ from ipc.errors import (
 from ipc.schema import ErrorReply, Generate, encode, server_decoder
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
-from tests.e2e_server import child_pids, cmdline, running_server
+from scheduler_svc.launch import child_pids, cmdline, running_server
 
 MAX_TOKENS = 10
 
@@ -366,3 +366,53 @@ def test_without_restarts_in_flight_requests_fail_explicitly(model: Path) -> Non
 
         results = asyncio.run(scenario())
     assert all(isinstance(r, WorkerLostError) for r in results), results
+
+
+def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
+    """READY=1 once serving, then WATCHDOG=1 pings, on a NOTIFY_SOCKET we provide."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = tmp_path / "notify.sock"
+    sock.bind(str(notify_path))
+    sock.settimeout(30)
+    env = dict(
+        os.environ,
+        NOTIFY_SOCKET=str(notify_path),
+        WATCHDOG_USEC="400000",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("WATCHDOG_PID", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "scheduler",
+            "--model",
+            str(model),
+            "--frontend",
+            f"ipc://{tmp_path}/fe.sock",
+            "--worker-endpoint",
+            f"ipc://{tmp_path}/w.sock",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and seen.count("WATCHDOG=1") < 2:
+            seen += sock.recv(4096).decode().split("\n")
+        assert "READY=1" in seen
+        assert seen.index("READY=1") < seen.index("WATCHDOG=1")
+        assert seen.count("WATCHDOG=1") >= 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        sock.settimeout(5)
+        assert "STOPPING=1" in sock.recv(4096).decode().split("\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        sock.close()

@@ -1,4 +1,5 @@
-"""Start a real ``expeditor serve`` for end-to-end tests."""
+"""Start ``expeditor serve`` as a child process and wait for its address (for tests,
+benchmarks and scripts)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ def running_server(
     """Yield (frontend address, the serve process); stop it with SIGTERM afterwards."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc", "serve", "--model", str(model), *flags],
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "serve",
+            *(["--model", str(model)] if model is not None else []),
+            *flags,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
