@@ -28,9 +28,9 @@ from ipc.errors import (
     WorkerLostError,
 )
 from ipc.schema import ErrorReply, Generate, encode, server_decoder
+from scheduler_svc.launch import child_pids, cmdline, running_server
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
-from scheduler_svc.launch import child_pids, cmdline, running_server
 
 MAX_TOKENS = 10
 
@@ -416,3 +416,41 @@ def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
             proc.kill()
         proc.wait()
         sock.close()
+
+
+def test_generate_and_inspect_commands(server) -> None:
+    address, _ = server
+    run = [sys.executable, "-m", "scheduler_svc"]
+    out = subprocess.run(
+        [*run, "generate", "--address", address, "Hi there", "--max-tokens", "5", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    completion = json.loads(out.stdout)
+    assert len(completion["token_ids"]) <= 5 and completion["usage"]["completion_tokens"] >= 1
+    streamed = subprocess.run(
+        [*run, "generate", "--address", address, "Hi there", "--max-tokens", "5", "--stream"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert streamed.stdout.rstrip("\n") == completion["text"]
+    table = subprocess.run(
+        [*run, "inspect", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for label in ("queues", "GPU blocks", "prefix cache", "preemptions", "workers", "ready"):
+        assert label in table.stdout
+    missing = subprocess.run(
+        [*run, "inspect", "--address", "ipc:///nonexistent/fe.sock", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and "is the server" in missing.stderr
