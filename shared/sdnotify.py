@@ -55,13 +55,23 @@ def _socket_address(raw: str) -> str | None:
     return None  # e.g. systemd >= 254's "vsock:..." addresses, not supported here
 
 
+SEND_TIMEOUT_S = 1.0
+"""Longest a notification may block when systemd's receive queue is full (it drains
+it promptly, so in practice a send never waits)."""
+
+
 def notify(*states: str) -> bool:
     """Send ``states`` (``"KEY=VALUE"`` strings) to systemd as one datagram.
 
     Returns ``True`` once the datagram is sent; ``False`` when ``$NOTIFY_SOCKET`` is
-    unset (not run by systemd), when there is nothing to send, or when sending failed.
-    Never raises.
+    unset (not run by systemd), when there is nothing to send, or when sending failed
+    or would have blocked longer than :data:`SEND_TIMEOUT_S`. Never raises.
     """
+    return _send(states, timeout=SEND_TIMEOUT_S)
+
+
+def _send(states: tuple[str, ...], *, timeout: float) -> bool:
+    """:func:`notify` with a send timeout in seconds (``0`` = never block)."""
     raw = os.environ.get("NOTIFY_SOCKET")
     if not raw or not states:
         return False
@@ -72,8 +82,9 @@ def notify(*states: str) -> bool:
     payload = "\n".join(states).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(timeout)
             sock.sendto(payload, address)
-    except OSError as error:
+    except OSError as error:  # includes timeouts and, with timeout=0, BlockingIOError
         log.debug("sd_notify: cannot send %r to %r: %s", payload, raw, error)
         return False
     return True
@@ -164,7 +175,9 @@ class Watchdog:
             return
         while True:
             if self.healthy is None or self.healthy():
-                watchdog()
+                # Never block the event loop: if systemd's queue is full, this ping is
+                # dropped and the next one, well inside the timeout, goes out instead.
+                _send(("WATCHDOG=1",), timeout=0.0)
             else:
                 log.warning("sd_notify: step loop unhealthy; withholding the watchdog ping")
             await asyncio.sleep(self.interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,32 @@ def test_socket_that_is_not_a_datagram_socket_returns_false(
         stream.listen()
         monkeypatch.setenv("NOTIFY_SOCKET", str(path))
         assert sdnotify.notify("READY=1") is False
+
+
+def _fill_queue(address: str) -> None:
+    """Send datagrams to ``address`` until its receive queue is full."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.setblocking(False)
+        for _ in range(100_000):
+            try:
+                sender.sendto(b"X=1", address)
+            except BlockingIOError:
+                return
+    pytest.fail("the receive queue never filled up")
+
+
+def test_full_queue_neither_blocks_for_long_nor_raises(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sdnotify, "SEND_TIMEOUT_S", 0.05)
+    _fill_queue(os.environ["NOTIFY_SOCKET"])
+    start = time.monotonic()
+    assert sdnotify.notify("READY=1") is False
+    assert time.monotonic() - start < 1.0
+    # The watchdog task drops pings rather than block the event loop.
+    start = time.monotonic()
+    asyncio.run(_run_for(sdnotify.Watchdog(0.01), 0.1))
+    assert time.monotonic() - start < 1.0
 
 
 # --------------------------------------------------------------------------- watchdog_interval

@@ -43,6 +43,10 @@ needs_systemd_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None,
     reason="systemd-analyze not installed (Debian/Ubuntu: apt-get install systemd)",
 )
+SYSTEMCTL = shutil.which("systemctl")
+needs_systemctl = pytest.mark.skipif(
+    SYSTEMCTL is None, reason="systemctl not installed (Debian/Ubuntu: apt-get install systemd)"
+)
 
 
 def _quoted(path: str) -> str:
@@ -118,6 +122,38 @@ def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
     assert result.returncode != 0
 
 
+@needs_systemctl
+def test_enable_links_workers_to_the_target_and_the_scheduler(tmp_path: Path) -> None:
+    """``systemctl --root`` works offline: enable as docs/deploy.md says, check the links."""
+    assert SYSTEMCTL is not None
+    unit_dir = tmp_path / "etc/systemd/system"
+    unit_dir.mkdir(parents=True)
+    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, TARGET_UNIT):
+        shutil.copyfile(SYSTEMD_DIR / name, unit_dir / name)
+    for units in ([TARGET_UNIT], ["expeditor-worker@1.service"]):
+        subprocess.run(
+            [SYSTEMCTL, f"--root={tmp_path}", "enable", *units],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    links = {
+        str(path.relative_to(unit_dir)): os.readlink(path)
+        for path in unit_dir.rglob("*")
+        if path.is_symlink()
+    }
+    template = f"/etc/systemd/system/{WORKER_TEMPLATE}"
+    assert links == {
+        f"multi-user.target.wants/{TARGET_UNIT}": f"/etc/systemd/system/{TARGET_UNIT}",
+        f"{TARGET_UNIT}.wants/{SCHEDULER_UNIT}": f"/etc/systemd/system/{SCHEDULER_UNIT}",
+        f"{TARGET_UNIT}.wants/expeditor-worker@0.service": template,
+        f"{TARGET_UNIT}.wants/expeditor-worker@1.service": template,
+        f"{SCHEDULER_UNIT}.wants/expeditor-worker@0.service": template,
+        f"{SCHEDULER_UNIT}.wants/expeditor-worker@1.service": template,
+    }
+
+
 def _unit_settings(name: str) -> dict[str, list[str]]:
     """Directive -> values of one unit file (all sections; comments dropped)."""
     settings: dict[str, list[str]] = {}
@@ -145,6 +181,9 @@ def test_units_keep_the_daemons_able_to_share_ipc() -> None:
     assert "PrivateDevices" not in worker  # would hide /dev/nvidia*
     assert "ProtectClock" not in worker  # implies DeviceAllow=, locking out the GPU
     assert "CUDA_VISIBLE_DEVICES=%i" in worker["Environment"]
+    assert worker["BindsTo"] == worker["After"] == [SCHEDULER_UNIT]
+    # Enabled workers come back whenever the scheduler (re)starts, crash restarts included.
+    assert set(worker["WantedBy"][0].split()) == {TARGET_UNIT, SCHEDULER_UNIT}
 
 
 # --------------------------------------------------------------------------- example config
