@@ -187,7 +187,7 @@ def make_tiny_model_cmd(
 
 # The daemon and client commands live in their own modules; importing them registers
 # them on ``app``.
-from scheduler_svc import cli_client, cli_services  # noqa: E402, F401
+from scheduler_svc import cli_bench, cli_client, cli_services  # noqa: E402, F401
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Workloads and metrics behind ``expeditor bench`` (pure Python: no torch, no transformers)."""

@@ -1,0 +1,172 @@
+"""Running a workload against targets and reporting the results side by side."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from scheduler_svc.bench.metrics import TargetResult, compute_result
+from scheduler_svc.bench.targets import RUNNERS, TARGETS, TargetRun
+from scheduler_svc.bench.workloads import Workload
+from shared.config import SCHEDULER_FIELDS, SchedulerConfig
+from shared.errors import ConfigError
+
+BENCH_DEFAULTS: dict[str, Any] = {"num_gpu_blocks": 2048}
+"""Scheduler settings a bench uses unless the workload or the command line says otherwise."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """``NAME`` or ``NAME[key=value,...]``: a target with scheduler-config overrides."""
+
+    name: str
+    overrides: dict[str, Any]
+    label: str
+
+
+def _value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_target(text: str) -> TargetSpec:
+    name, _, rest = text.partition("[")
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; targets: {', '.join(TARGETS)}")
+    overrides: dict[str, Any] = {}
+    if rest:
+        if not rest.endswith("]"):
+            raise ValueError(f"target {text!r}: expected NAME[key=value,...]")
+        for item in filter(None, rest[:-1].split(",")):
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in SCHEDULER_FIELDS:
+                raise ValueError(
+                    f"target {text!r}: {item!r} is not key=value with a scheduler config key"
+                )
+            overrides[key] = _value(value.strip())
+    return TargetSpec(name, overrides, text)
+
+
+def target_config(workload: Workload, base: dict[str, Any], spec: TargetSpec) -> dict[str, Any]:
+    """Config for one target: bench defaults < workload hints < command line < target."""
+    config = {**BENCH_DEFAULTS, **workload.config, **base, **spec.overrides}
+    try:
+        SchedulerConfig(**config)
+    except (ConfigError, TypeError) as exc:
+        raise ValueError(f"target {spec.label}: {exc}") from None
+    return config
+
+
+def run_bench(
+    workload: Workload,
+    specs: list[TargetSpec],
+    *,
+    model: Path,
+    base_config: dict[str, Any],
+    device: str,
+    on_done: Callable[[str], None],
+) -> list[tuple[TargetResult, TargetRun]]:
+    results = []
+    for spec in specs:
+        config = target_config(workload, base_config, spec)
+        done = functools.partial(on_done, spec.label)
+        run = RUNNERS[spec.name](workload, model, config, device, done)
+        result = compute_result(
+            spec.label,
+            workload.name,
+            run.timelines,
+            run.duration_s,
+            kv_samples=run.kv_samples,
+            preemptions=run.preemptions,
+            prefix_hit_rate=run.prefix_hit_rate,
+        )
+        if run.notes:
+            result = msgspec.structs.replace(result, notes=[*result.notes, *run.notes])
+        results.append((result, run))
+    return results
+
+
+def report_json(workload: Workload, results: list[TargetResult], *, seed: int, model: Path) -> str:
+    return json.dumps(
+        {
+            "workload": workload.name,
+            "description": workload.description,
+            "num_requests": len(workload.requests),
+            "seed": seed,
+            "model": str(model),
+            "results": msgspec.to_builtins(results),
+        }
+    )
+
+
+def write_plots(results: list[tuple[TargetResult, TargetRun]], out_dir: Path) -> list[Path]:
+    """throughput.png (output tokens/s per target), latency_cdf.png (E2E and TTFT per
+    request), kv_usage.png (KV blocks in use over time, where the target reports it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    labels = [r.target for r, _ in results]
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(labels)), 3.5))
+    ax.bar(labels, [r.output_throughput for r, _ in results], color="tab:blue")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{results[0][0].workload}: throughput" if results else "throughput")
+    fig.tight_layout()
+    written.append(out_dir / "throughput.png")
+    fig.savefig(written[-1])
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for result, run in results:
+        per_request = {
+            "e2e": [t.finish_s - t.arrival_s for t in run.timelines],
+            "ttft": [t.token_times_s[0] - t.arrival_s for t in run.timelines if t.token_times_s],
+        }
+        for ax, key in zip(axes, ("e2e", "ttft"), strict=True):
+            values = sorted(per_request[key])
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax.step([v * 1e3 for v in values], ys, where="post", label=result.target)
+    for ax, title in zip(axes, ("E2E latency (ms)", "TTFT (ms)"), strict=True):
+        ax.set_xlabel(title)
+        ax.set_ylabel("fraction of requests")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out_dir / "latency_cdf.png")
+    fig.savefig(written[-1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for result, run in results:
+        if run.kv_samples:
+            t0 = run.kv_samples[0].time_s
+            ax.plot(
+                [k.time_s - t0 for k in run.kv_samples],
+                [100 * k.used_blocks / max(1, k.total_blocks) for k in run.kv_samples],
+                label=result.target,
+            )
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("KV blocks in use (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out_dir / "kv_usage.png")
+    fig.savefig(written[-1])
+    plt.close(fig)
+    return written

@@ -1,0 +1,373 @@
+"""The systems ``expeditor bench`` measures, all on the same checkpoint.
+
+- ``expeditor``: the daemons (``expeditor serve``) through the async client library,
+  streaming, so every token's arrival time is seen as a client sees it;
+- ``inprocess``: the in-process engine (scheduler core + model runner, no sockets);
+- ``static``: naive serving, transformers ``generate`` on left-padded batches of at
+  most ``max_num_seqs`` requests in arrival order; each batch runs until its longest
+  request ends and returns as a whole (token times are the decode steps' times, the
+  finish time is the batch's end);
+- ``hf-cb``: transformers' own continuous batching (``init_continuous_batching``
+  manager, paged attention), where the installed transformers has it.
+
+Every target reports per-request timelines on the ``time.perf_counter`` clock.
+torch and transformers are imported inside the functions: the scheduler process never
+loads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler_svc.bench.metrics import KVSample, RequestTimeline
+from scheduler_svc.bench.workloads import BenchRequest, Workload
+
+TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
+
+OnDone = Callable[[], None]
+
+
+@dataclass
+class TargetRun:
+    timelines: list[RequestTimeline]
+    duration_s: float
+    kv_samples: list[KVSample] | None = None
+    preemptions: dict[str, int] | None = None
+    prefix_hit_rate: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _duration(timelines: list[RequestTimeline], start: float) -> float:
+    if not timelines:
+        return 0.0
+    return max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
+
+
+def _flags(config: dict[str, Any]) -> list[str]:
+    flags = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
+
+
+# -- expeditor: the daemons ----------------------------------------------------------------
+
+
+def run_expeditor(
+    workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
+) -> TargetRun:
+    from scheduler_svc.launch import running_server
+
+    flags = [*_flags(config), f"--device={device}"]
+    with running_server(model, *flags) as (address, _):
+        return asyncio.run(_drive_server(address, workload, on_done))
+
+
+async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> TargetRun:
+    from ipc.client import AsyncClient
+
+    timelines: list[RequestTimeline] = []
+    samples: list[KVSample] = []
+    async with AsyncClient(address, timeout=3600) as client:
+        block_size = int((await client.inspect()).config["block_size"])  # type: ignore[call-overload]
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest) -> None:
+            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+            arrival = time.perf_counter()
+            times: list[float] = []
+            stream = client.stream(
+                prompt_token_ids=req.prompt_token_ids,
+                max_tokens=req.max_tokens,
+                temperature=0.0,
+                ignore_eos=req.ignore_eos,
+                request_id=req.request_id,
+            )
+            async for delta in stream:
+                now = time.perf_counter()
+                times.extend([now] * len(delta.token_ids))
+            timelines.append(
+                RequestTimeline(
+                    request_id=req.request_id,
+                    arrival_s=arrival,
+                    token_times_s=times,
+                    finish_s=time.perf_counter(),
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_output_tokens=len(times),
+                )
+            )
+            on_done()
+
+        async def sample_kv() -> None:
+            while True:
+                reply = await client.inspect()
+                if reply.snapshot is not None:
+                    samples.append(_kv_from_snapshot(reply.snapshot, block_size))
+                await asyncio.sleep(0.25)
+
+        sampler = asyncio.create_task(sample_kv())
+        await asyncio.gather(*(one(r) for r in workload.requests))
+        sampler.cancel()
+        final = (await client.inspect()).snapshot
+    return TargetRun(
+        timelines=timelines,
+        duration_s=_duration(timelines, start),
+        kv_samples=samples,
+        preemptions=dict(final.preemptions) if final else None,
+        prefix_hit_rate=final.prefix_cache.hit_rate if final else None,
+    )
+
+
+def _kv_from_snapshot(snapshot: Any, block_size: int) -> KVSample:
+    running = [s for s in snapshot.seqs if s.state == "running"]
+    return KVSample(
+        time_s=time.perf_counter(),
+        used_blocks=snapshot.gpu_blocks.total - snapshot.gpu_blocks.free,
+        total_blocks=snapshot.gpu_blocks.total,
+        allocated_slots=sum(s.num_gpu_blocks for s in running) * block_size,
+        filled_slots=sum(s.num_computed_tokens for s in running),
+    )
+
+
+# -- inprocess: the engine -----------------------------------------------------------------
+
+
+def run_inprocess(
+    workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
+) -> TargetRun:
+    from gpu_worker.engine import LLM
+    from shared.sampling import SamplingParams
+
+    with LLM(model, device=device, **config) as llm:
+        sched, runner = llm.scheduler, llm.runner
+        pending = sorted(workload.requests, key=lambda r: r.arrival_s, reverse=True)
+        arrivals: dict[str, float] = {}
+        token_times: dict[str, list[float]] = {}
+        timelines: list[RequestTimeline] = []
+        samples: list[KVSample] = []
+        prompts = {r.request_id: r for r in workload.requests}
+        bs = sched.block_size
+        start = time.perf_counter()
+        while pending or sched.has_work():
+            now = time.perf_counter()
+            while pending and start + pending[-1].arrival_s <= now:
+                req = pending.pop()
+                arrivals[req.request_id] = start + req.arrival_s
+                token_times[req.request_id] = []
+                sched.add_request(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    SamplingParams(
+                        temperature=0.0, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos
+                    ),
+                )
+            if not sched.has_work():
+                time.sleep(max(0.0, min(0.01, start + pending[-1].arrival_s - now)))
+                continue
+            outcome = sched.update(runner.execute(sched.schedule()))
+            stamp = time.perf_counter()
+            for seq in outcome.advanced:
+                token_times[seq.request.request_id].append(stamp)
+            for request in outcome.finished_requests:
+                rid = request.request_id
+                timelines.append(
+                    RequestTimeline(
+                        request_id=rid,
+                        arrival_s=arrivals[rid],
+                        token_times_s=token_times.pop(rid),
+                        finish_s=stamp,
+                        num_prompt_tokens=len(prompts[rid].prompt_token_ids),
+                        num_output_tokens=len(request.seqs[0].output_token_ids),
+                    )
+                )
+                on_done()
+            running = sched.running
+            samples.append(
+                KVSample(
+                    time_s=stamp,
+                    used_blocks=sched.kv.pool.num_blocks - sched.kv.pool.num_free,
+                    total_blocks=sched.kv.pool.num_blocks,
+                    allocated_slots=sum(len(s.block_table) for s in running) * bs,
+                    filled_slots=sum(s.num_computed_tokens for s in running),
+                )
+            )
+        return TargetRun(
+            timelines=timelines,
+            duration_s=_duration(timelines, start),
+            kv_samples=samples,
+            preemptions=dict(sched.preemptions),
+            prefix_hit_rate=(sched.kv.hit_tokens / sched.kv.queried_tokens)
+            if sched.kv.queried_tokens
+            else 0.0,
+        )
+
+
+# -- static: padded batches --------------------------------------------------------------
+
+
+def run_static(
+    workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
+) -> TargetRun:
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from gpu_worker.model_runner import resolve_device
+
+    dev = resolve_device(device)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ).to(dev)
+    hf.eval()
+    batch_size = int(config.get("max_num_seqs", 256))
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    requests = sorted(workload.requests, key=lambda r: r.arrival_s)
+    timelines: list[RequestTimeline] = []
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first : first + batch_size]
+        ready_at = start + max(r.arrival_s for r in batch)
+        time.sleep(max(0.0, ready_at - time.perf_counter()))
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor(
+            [[0] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+            device=dev,
+        )
+        mask = torch.tensor(
+            [
+                [0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                for r in batch
+            ],
+            device=dev,
+        )
+        longest = max(r.max_tokens for r in batch)
+        clock = StepClock()
+        with torch.inference_mode():
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+        end = time.perf_counter()
+        for req in batch:
+            timelines.append(
+                RequestTimeline(
+                    request_id=req.request_id,
+                    arrival_s=start + req.arrival_s,
+                    token_times_s=clock.times[: req.max_tokens],
+                    finish_s=end,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_output_tokens=req.max_tokens,
+                )
+            )
+            on_done()
+    return TargetRun(
+        timelines=timelines,
+        duration_s=_duration(timelines, start),
+        notes=[f"batches of {batch_size}, each until its longest request ends"],
+    )
+
+
+# -- hf-cb: transformers' continuous batching --------------------------------------------
+
+
+def run_hf_cb(
+    workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
+) -> TargetRun:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as exc:  # an older transformers
+        raise RuntimeError("the installed transformers has no continuous batching") from exc
+    from gpu_worker.model_runner import resolve_device
+
+    dev = resolve_device(device)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model,
+        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+        attn_implementation="paged|sdpa",
+    ).to(dev)
+    hf.eval()
+    block_size = int(config.get("block_size", 16))
+    num_blocks = config.get("num_gpu_blocks") or 4096
+    manager = hf.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, max_new_tokens=1, eos_token_id=None),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=int(num_blocks),
+            page_size=block_size,
+            max_batch_tokens=int(config.get("max_num_batched_tokens", 8192)),
+            max_requests_per_batch=int(config.get("max_num_seqs", 256)),
+        ),
+    )
+    pending = sorted(workload.requests, key=lambda r: r.arrival_s, reverse=True)
+    by_id = {r.request_id: r for r in workload.requests}
+    timelines: list[RequestTimeline] = []
+    manager.start()
+    start = time.perf_counter()
+    try:
+        while len(timelines) < len(workload.requests):
+            now = time.perf_counter()
+            while pending and start + pending[-1].arrival_s <= now:
+                req = pending.pop()
+                manager.add_request(
+                    req.prompt_token_ids,
+                    request_id=req.request_id,
+                    max_new_tokens=req.max_tokens,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
+            result = manager.get_result(timeout=0.05)
+            if result is None:
+                if pending or manager.is_running():
+                    continue
+                raise RuntimeError("transformers' continuous batching stopped early")
+            if not result.is_finished():
+                continue
+            req = by_id[result.request_id]
+            if result.error:
+                raise RuntimeError(f"hf-cb request {req.request_id}: {result.error}")
+            times = list(result.timestamps or [])
+            timelines.append(
+                RequestTimeline(
+                    request_id=req.request_id,
+                    arrival_s=start + req.arrival_s,
+                    token_times_s=times,
+                    finish_s=times[-1] if times else time.perf_counter(),
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_output_tokens=len(result.generated_tokens),
+                )
+            )
+            on_done()
+    finally:
+        manager.stop(block=True)
+    return TargetRun(timelines=timelines, duration_s=_duration(timelines, start))
+
+
+RUNNERS: dict[str, Callable[[Workload, Path, dict[str, Any], str, OnDone], TargetRun]] = {
+    "expeditor": run_expeditor,
+    "inprocess": run_inprocess,
+    "static": run_static,
+    "hf-cb": run_hf_cb,
+}

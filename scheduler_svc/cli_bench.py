@@ -1,0 +1,151 @@
+"""``expeditor bench``: a workload against several targets, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from scheduler_svc.cli import app, fail
+from scheduler_svc.cli_options import with_config_options
+
+BENCH_HELP = """Run a workload against targets on the same checkpoint and report request
+throughput, output tokens/s, TTFT, TPOT, ITL and E2E latency (mean, p50, p99), KV-cache
+usage and waste, preemptions and prefix-cache hit rate.
+
+Workloads (seeded, reproducible; exact distributions in scheduler_svc/bench/workloads.py):
+skewed (all at t=0, uniform prompts, exponential outputs with a cap, ignore_eos: the
+case where static batching suffers head-of-line blocking); poisson (arrivals at
+--rate per second with --burstiness, gamma inter-arrival times as in vLLM's serving
+benchmark); shared-prefix (a few long shared system prompts, each followed by a
+distinct suffix); pressure (a KV pool far smaller than the working set, forcing
+preemption); or a JSONL file of requests ({"prompt_token_ids" | "prompt_len",
+"max_tokens", "arrival_s"}).
+
+Targets: expeditor (the daemons via the client library, streaming); inprocess (the
+in-process engine); static (transformers generate on padded batches of max_num_seqs,
+each until its longest request ends); hf-cb (transformers' own continuous batching).
+A target may carry scheduler overrides: --target 'expeditor[preemption_mode=swap]'.
+"""
+
+
+@app.command(help=BENCH_HELP)
+@with_config_options
+def bench(
+    workload: Annotated[
+        str, typer.Option(help="skewed | poisson | shared-prefix | pressure | FILE.jsonl")
+    ] = "skewed",
+    target: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="expeditor | inprocess | static | hf-cb, optionally NAME[k=v,...]; repeatable."
+        ),
+    ] = None,
+    num_requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 64,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    rate: Annotated[float | None, typer.Option(help="poisson: requests per second.")] = None,
+    burstiness: Annotated[
+        float | None, typer.Option(help="poisson: gamma shape (1 = Poisson).")
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory (default: the embedded tiny model).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "cpu",
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write PNG charts into this directory.")] = None,
+    *,
+    config_overrides: dict[str, Any],
+) -> None:
+    from scheduler_svc.bench.run import parse_target, report_json, run_bench, write_plots
+    from scheduler_svc.bench.workloads import make_workload
+
+    if num_requests < 1:
+        fail("--num-requests must be >= 1")
+    try:
+        specs = [parse_target(t) for t in (target or ["expeditor", "static"])]
+        extra = {k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None}
+        load = make_workload(workload, num_requests, seed, **extra)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    if model is None:
+        from gpu_worker.tiny_model import default_model_dir
+
+        model = default_model_dir()
+    base = {k: v for k, v in config_overrides.items() if v is not None}
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=json_output,
+    ) as progress:
+        tasks = {s.label: progress.add_task(s.label, total=len(load.requests)) for s in specs}
+        try:
+            results = run_bench(
+                load,
+                specs,
+                model=model,
+                base_config=base,
+                device=device,
+                on_done=lambda label: progress.advance(tasks[label]),
+            )
+        except ValueError as exc:
+            fail(str(exc))
+    if json_output:
+        print(report_json(load, [r for r, _ in results], seed=seed, model=model))
+    else:
+        out = Console()
+        out.width = max(out.width, 150)  # the table has a dozen columns
+        out.print(results_table(load.name, load.description, [r for r, _ in results]))
+    if plot is not None:
+        for path in write_plots(results, plot):
+            console.print(f"wrote {path}")
+
+
+def _ms(summary: dict[str, float] | None, *keys: str) -> str:
+    if summary is None:
+        return "-"
+    return " / ".join(f"{summary[k]:.1f}" if summary[k] < 10 else f"{summary[k]:.0f}" for k in keys)
+
+
+def results_table(name: str, description: str, results: list[Any]) -> Table:
+    table = Table(title=f"{name}: {description}", title_justify="left")
+    for column in (
+        "target",
+        "req/s",
+        "out tok/s",
+        "vs first",
+        "TTFT ms mean/p99",
+        "TPOT ms",
+        "ITL ms",
+        "E2E ms mean/p99",
+        "KV use",
+        "KV waste",
+        "preempted",
+        "prefix hit",
+    ):
+        table.add_column(column, justify="right" if column != "target" else "left")
+    base = results[0].output_throughput if results else 0.0
+    for r in results:
+        kv = r.kv or {}
+        table.add_row(
+            r.target,
+            f"{r.request_throughput:.2f}",
+            f"{r.output_throughput:.0f}",
+            f"{r.output_throughput / base:.2f}x" if base else "-",
+            _ms(r.ttft_ms, "mean", "p99"),
+            _ms(r.tpot_ms, "mean"),
+            _ms(r.itl_ms, "mean"),
+            _ms(r.e2e_ms, "mean", "p99"),
+            f"{kv['mean_usage']:.0%}" if "mean_usage" in kv else "-",
+            f"{kv['mean_waste']:.1%}" if "mean_waste" in kv else "-",
+            ", ".join(f"{k} {v}" for k, v in (r.preemptions or {}).items()) or "-",
+            f"{r.prefix_cache_hit_rate:.0%}" if r.prefix_cache_hit_rate is not None else "-",
+        )
+    return table

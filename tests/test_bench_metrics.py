@@ -1,0 +1,180 @@
+"""Benchmark metrics on hand-made timelines."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from scheduler_svc.bench.metrics import (
+    KVSample,
+    RequestTimeline,
+    TargetResult,
+    compute_result,
+    e2e,
+    itls,
+    kv_stats,
+    percentile,
+    summarize,
+    tpot,
+    ttft,
+)
+from scheduler_svc.bench.workloads import skewed
+
+
+def _timeline(
+    rid: str, arrival: float, times: list[float], finish: float, prompt: int = 8
+) -> RequestTimeline:
+    return RequestTimeline(rid, arrival, times, finish, prompt, len(times))
+
+
+def test_per_request_metrics() -> None:
+    # arrives at 10.0, tokens at 10.5, 10.7, 11.0, 11.6, finishes at 11.6
+    t = _timeline("a", 10.0, [10.5, 10.7, 11.0, 11.6], 11.6)
+    assert ttft(t) == pytest.approx(0.5)
+    assert e2e(t) == pytest.approx(1.6)
+    assert tpot(t) == pytest.approx((1.6 - 0.5) / 3)
+    assert itls(t) == pytest.approx([0.2, 0.3, 0.6])
+
+
+def test_tpot_uses_finish_and_output_count() -> None:
+    # finish a little after the last token counts in TPOT, as (E2E - TTFT) / (out - 1)
+    t = _timeline("a", 0.0, [1.0, 2.0, 3.0], 4.0)
+    assert tpot(t) == pytest.approx((4.0 - 1.0) / 2)
+
+
+def test_one_token_request_has_no_tpot_or_itl() -> None:
+    t = _timeline("a", 1.0, [1.25], 1.25)
+    assert ttft(t) == pytest.approx(0.25)
+    assert tpot(t) is None
+    assert itls(t) == []
+
+
+def test_no_tokens() -> None:
+    t = _timeline("a", 1.0, [], 2.0)
+    assert ttft(t) is None and tpot(t) is None and itls(t) == []
+    assert e2e(t) == pytest.approx(1.0)
+
+
+def test_at_finish_timeline() -> None:
+    t = RequestTimeline.at_finish("a", 1.0, 3.0, num_prompt_tokens=5, num_output_tokens=4)
+    assert t.token_times_s == [3.0] * 4 and t.num_output_tokens == 4
+    assert ttft(t) == pytest.approx(e2e(t)) == pytest.approx(2.0)
+    assert tpot(t) == 0.0
+    assert itls(t) == [0.0, 0.0, 0.0]
+
+
+def test_percentiles_linear_interpolation() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1 and percentile(values, 100) == 100
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    assert percentile([1.0, 2.0, 3.0, 4.0], 25) == pytest.approx(1.75)
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summarize() -> None:
+    summary = summarize(float(v) for v in range(1, 101))
+    assert summary == pytest.approx({"mean": 50.5, "p50": 50.5, "p99": 99.01})
+    assert summarize([2.0]) == {"mean": 2.0, "p50": 2.0, "p99": 2.0}
+    assert summarize([]) is None
+
+
+def test_kv_stats() -> None:
+    samples = [
+        KVSample(time_s=0.0, used_blocks=2, total_blocks=10, allocated_slots=32, filled_slots=24),
+        KVSample(time_s=1.0, used_blocks=8, total_blocks=10, allocated_slots=128, filled_slots=96),
+        KVSample(time_s=2.0, used_blocks=0, total_blocks=10, allocated_slots=0, filled_slots=0),
+    ]
+    stats = kv_stats(samples)
+    assert stats == pytest.approx({"mean_usage": 1 / 3, "peak_usage": 0.8, "mean_waste": 0.25})
+    idle = [KVSample(0.0, 0, 10, 0, 0)]
+    assert kv_stats(idle) == {"mean_usage": 0.0, "peak_usage": 0.0, "mean_waste": 0.0}
+    assert kv_stats([]) is None
+    assert kv_stats([KVSample(0.0, 0, 0, 0, 0)]) is None
+
+
+def test_compute_result() -> None:
+    timelines = [
+        _timeline("a", 0.0, [0.1, 0.2, 0.4], 0.4, prompt=10),
+        _timeline("b", 0.5, [0.8], 0.8, prompt=20),
+        _timeline("c", 1.0, [1.2, 1.3, 1.4, 1.5, 2.0], 2.0, prompt=30),
+    ]
+    result = compute_result(
+        "inprocess",
+        "skewed",
+        timelines,
+        kv_samples=[KVSample(0.0, 5, 10, 16, 12)],
+        preemptions={"swap": 2, "recompute": 1},
+        prefix_hit_rate=0.5,
+    )
+    assert isinstance(result, TargetResult)
+    assert result.target == "inprocess" and result.workload == "skewed"
+    assert result.num_requests == 3
+    assert result.duration_s == pytest.approx(2.0)  # first arrival 0.0 -> last finish 2.0
+    assert result.total_output_tokens == 9
+    assert result.total_prompt_tokens == 60
+    assert result.request_throughput == pytest.approx(1.5)
+    assert result.output_throughput == pytest.approx(4.5)
+    assert result.ttft_ms is not None and result.ttft_ms["mean"] == pytest.approx(200.0)
+    assert result.ttft_ms["p50"] == pytest.approx(200.0)
+    assert result.ttft_ms["p99"] == pytest.approx(298.0)  # rank 1.98 of [100, 200, 300]
+    # TPOT: a -> (0.4 - 0.1) / 2 = 0.15, c -> (1.0 - 0.2) / 4 = 0.2; b has none
+    assert result.tpot_ms == pytest.approx({"mean": 175.0, "p50": 175.0, "p99": 199.5})
+    # ITLs pooled: a: 0.1, 0.2; c: 0.1, 0.1, 0.1, 0.5
+    assert result.itl_ms is not None
+    assert result.itl_ms["mean"] == pytest.approx(1100 / 6)
+    assert result.itl_ms["p50"] == pytest.approx(100.0)
+    # E2E: 0.4, 0.3, 1.0
+    assert result.e2e_ms is not None
+    assert result.e2e_ms["mean"] == pytest.approx(1700 / 3)
+    assert result.e2e_ms["p50"] == pytest.approx(400.0)
+    assert result.kv == pytest.approx({"mean_usage": 0.5, "peak_usage": 0.5, "mean_waste": 0.25})
+    assert result.preemptions == {"swap": 2, "recompute": 1}
+    assert result.prefix_cache_hit_rate == 0.5
+    assert result.notes == []
+    encoded = msgspec.json.decode(msgspec.json.encode(result), type=TargetResult)
+    assert encoded == result
+
+
+def test_compute_result_explicit_duration_and_workload_object() -> None:
+    timelines = [_timeline("a", 0.0, [0.5, 1.0], 1.0)]
+    result = compute_result("static", skewed(1, seed=0), timelines, 4.0)
+    assert result.workload == "skewed"
+    assert result.duration_s == 4.0
+    assert result.request_throughput == pytest.approx(0.25)
+    assert result.output_throughput == pytest.approx(0.5)
+    assert result.kv is None and result.preemptions is None
+    assert result.prefix_cache_hit_rate is None
+
+
+def test_compute_result_single_token_requests() -> None:
+    timelines = [_timeline("a", 0.0, [0.5], 0.5), _timeline("b", 0.0, [1.0], 1.0)]
+    result = compute_result("t", "w", timelines, None)
+    assert result.tpot_ms is None and result.itl_ms is None
+    assert result.ttft_ms == pytest.approx({"mean": 750.0, "p50": 750.0, "p99": 995.0})
+    assert any("TPOT and ITL undefined" in note for note in result.notes)
+
+
+def test_compute_result_notes() -> None:
+    silent = compute_result("t", "w", [_timeline("a", 0.0, [], 1.0)])
+    assert silent.ttft_ms is None and silent.e2e_ms == {"mean": 1e3, "p50": 1e3, "p99": 1e3}
+    assert any("no output tokens" in note for note in silent.notes)
+
+    at_end = [RequestTimeline.at_finish("a", 0.0, 2.0, 4, 3)]
+    result = compute_result("hf", "w", at_end)
+    assert result.ttft_ms == result.e2e_ms
+    assert result.tpot_ms == {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    assert any("only at finish" in note for note in result.notes)
+
+    zero = compute_result("t", "w", [_timeline("a", 0.0, [0.0], 0.0)])
+    assert zero.request_throughput == 0.0 and zero.output_throughput == 0.0
+    assert any("not positive" in note for note in zero.notes)
+
+    empty = compute_result("t", "w", [])
+    assert empty.num_requests == 0 and empty.duration_s == 0.0 and empty.notes == []
+    assert empty.ttft_ms is None and empty.e2e_ms is None
