@@ -6,6 +6,7 @@ import math
 import statistics
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import msgspec
@@ -100,7 +101,7 @@ def test_skewed_clamps_outputs() -> None:
 def test_poisson_rate_and_burstiness() -> None:
     def gaps(workload: Workload) -> list[float]:
         arrivals = [r.arrival_s for r in workload.requests]
-        return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        return [b - a for a, b in pairwise(arrivals)]
 
     steady = poisson(5000, seed=2, rate=4.0)
     assert steady.name == "poisson"
@@ -267,7 +268,7 @@ def test_from_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, message
 def test_from_jsonl_empty_and_missing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no requests"):
         from_jsonl(_write(tmp_path, "\n# nothing\n"))
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
         from_jsonl(tmp_path / "missing.jsonl")
 
 
@@ -282,7 +283,7 @@ def test_make_workload(tmp_path: Path) -> None:
     assert make_workload("poisson", 10, 1, rate=2.0) == poisson(10, seed=1, rate=2.0)
     with pytest.raises(ValueError, match="skewed, poisson, shared-prefix, pressure"):
         make_workload("nope", 10, 0)
-    with pytest.raises(ValueError, match="does not take bogus.*accepts: .*rate"):
+    with pytest.raises(ValueError, match=r"does not take bogus.*accepts: .*rate"):
         make_workload("poisson", 10, 0, bogus=1)
 
     path = _write(tmp_path, '{"prompt_len": 4, "max_tokens": 1}\n' * 3, name="three.jsonl")

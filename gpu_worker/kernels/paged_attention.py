@@ -50,38 +50,116 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Torch reference: per sequence, gather its K/V through the block table and attend
-    causally in float32. Query rows outside ``query_start_loc[0]:query_start_loc[-1]`` are
-    zero.
+    """Torch reference: gather each sequence's K/V through its block table and attend
+    causally in float32. Query rows outside ``query_start_loc[0]:query_start_loc[-1]``
+    are zero. Decodes (one query row) are computed together, padded to the longest
+    context; prefill chunks one sequence at a time.
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    num_heads = query.shape[1]
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    group = num_heads // num_kv_heads
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.to(device=key_cache.device, dtype=torch.int64)
+    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1 and lens[s] > 0]
+    for first in range(0, len(decodes), _DECODE_CHUNK):
+        _decode_ref(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            starts,
+            decodes[first : first + _DECODE_CHUNK],
+            scale,
+        )
+    chunked = set(decodes)
     for s, seq_len in enumerate(lens):
-        q_begin, q_end = starts[s], starts[s + 1]
-        q_len = q_end - q_begin
-        if q_len <= 0:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = tables[s, :num_blocks]
-        k = key_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-        v = value_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, heads, head_dim]
-        v = v.float().repeat_interleave(group, dim=1)
-        q = query[q_begin:q_end].float()  # [q_len, heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        if s not in chunked and starts[s + 1] > starts[s]:
+            _prefill_ref(
+                out,
+                query,
+                key_cache,
+                value_cache,
+                tables[s],
+                seq_len,
+                starts[s],
+                starts[s + 1],
+                scale,
+            )
     return out
+
+
+_DECODE_CHUNK = 64
+"""Decodes computed per batched call (bounds the padded K/V copy)."""
+
+
+def _decode_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: list[int],
+    starts: list[int],
+    seqs: list[int],
+    scale: float,
+) -> None:
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    device = key_cache.device
+    seq_lens = torch.tensor([lens[s] for s in seqs], device=device)
+    longest = int(seq_lens.max())
+    num_blocks = -(-longest // block_size)
+    rows = torch.tensor(seqs, device=device)
+    block_index = torch.arange(num_blocks, device=device)
+    # Table entries past a sequence's own blocks may hold anything: read block 0 there
+    # (masked out below).
+    valid = block_index[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
+    blocks = torch.where(valid, tables[rows, :num_blocks], 0)
+    k = key_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    v = value_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    key_ok = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
+    # Slots past a context may hold anything (even NaN): zero them so 0 * slot stays 0.
+    k = k.masked_fill(~key_ok[:, :, None, None], 0.0)
+    v = v.masked_fill(~key_ok[:, :, None, None], 0.0)
+    q_rows = torch.tensor([starts[s] for s in seqs], device=query.device)
+    q = query[q_rows].float().view(len(seqs), num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale
+    scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = torch.einsum("skgl,slkd->skgd", probs, v).reshape(len(seqs), -1, head_dim)
+    out[q_rows] = result.to(query.dtype)
+
+
+def _prefill_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    q_begin: int,
+    q_end: int,
+    scale: float,
+) -> None:
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    q_len = q_end - q_begin
+    num_blocks = -(-seq_len // block_size)
+    blocks = table[:num_blocks]
+    k = key_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+    v = value_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+    k = k.float().repeat_interleave(group, dim=1)  # [seq_len, heads, head_dim]
+    v = v.float().repeat_interleave(group, dim=1)
+    q = query[q_begin:q_end].float()  # [q_len, heads, head_dim]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    k_pos = torch.arange(seq_len, device=query.device)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
 
 
 @triton.jit
