@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import FrameType
 
 import msgspec
@@ -133,7 +133,8 @@ class WorkerDaemon:
                 except Exception as exc:
                     return self._fail(f"step failed: {type(exc).__name__}: {exc}")
             if pending is not None:
-                time.sleep(0.001)
+                # Wake the moment the step ends, or in time for the next heartbeat.
+                wait([pending[0]], timeout=HEARTBEAT_S)
                 continue
             try:
                 message = self._recv(0.1)

@@ -74,6 +74,7 @@ from ipc.schema import (
     Accepted,
     ClientMessage,
     Delta,
+    DeltaBatch,
     ErrorReply,
     Finished,
     Generate,
@@ -614,7 +615,10 @@ class AsyncClient:
             socket.close(linger=0)
 
     def _dispatch(self, message: ServerMessage) -> None:
-        if isinstance(message, Accepted | Delta | Finished):
+        if isinstance(message, DeltaBatch):
+            for delta in message.deltas:
+                self._to_request(delta.request_id, delta)
+        elif isinstance(message, Accepted | Delta | Finished):
             self._to_request(message.request_id, message)
         elif isinstance(message, ErrorReply):
             self._dispatch_error(message)

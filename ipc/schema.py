@@ -36,6 +36,7 @@ __all__ = [
     "ClientMessage",
     "ControlMessage",
     "Delta",
+    "DeltaBatch",
     "ErrorReply",
     "Finished",
     "Generate",
@@ -299,6 +300,13 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta", tag_field="t
     logprobs: list[dict[int, float]] | None = None
 
 
+class DeltaBatch(msgspec.Struct, frozen=True, kw_only=True, tag="deltas", tag_field="type"):
+    """The Deltas of one step for one client, in one frame (a client with many
+    streaming requests gets one message per step, not one per token)."""
+
+    deltas: list[Delta]
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
@@ -380,7 +388,15 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong", tag_field="typ
 
 ClientMessage = Generate | Abort | Inspect | Health | Ping
 ServerMessage = (
-    Accepted | Delta | Finished | ErrorReply | AbortAck | HealthStatus | InspectReply | Pong
+    Accepted
+    | Delta
+    | DeltaBatch
+    | Finished
+    | ErrorReply
+    | AbortAck
+    | HealthStatus
+    | InspectReply
+    | Pong
 )
 WorkerMessage = WorkerJoin | WorkerHello | StepResult | Heartbeat | WorkerError
 ControlMessage = WorkerSetup | AttachSwapPool | BatchPlan | Shutdown

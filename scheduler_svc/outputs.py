@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from ipc.schema import Delta, ErrorReply, Finished, ServerMessage, Timings, Usage
+from ipc.schema import Delta, DeltaBatch, ErrorReply, Finished, ServerMessage, Timings, Usage
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from shared.outputs import Completion, CompletionSample
 from shared.sampling import SamplingParams
@@ -75,6 +75,7 @@ class OutputProcessor:
                 req.first_scheduled = now
         ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
         stopped: list[str] = []
+        outbox: dict[bytes, list[Delta]] = {}
         for request_id, index, seq_id, token in events.tokens:
             req = self.requests.get(request_id)
             if req is None:
@@ -99,8 +100,7 @@ class OutputProcessor:
                 req.reasons.setdefault(index, reason)
                 text += detok.flush()
             if req.stream:
-                self.send(
-                    req.client,
+                outbox.setdefault(req.client, []).append(
                     Delta(
                         request_id=request_id,
                         index=index,
@@ -108,8 +108,10 @@ class OutputProcessor:
                         text=text,
                         finish_reason=reason,
                         logprobs=None if entry is None else [entry],
-                    ),
+                    )
                 )
+        for client, deltas in outbox.items():
+            self.send(client, deltas[0] if len(deltas) == 1 else DeltaBatch(deltas=deltas))
         for request_id, index, reason in events.finished_seqs:
             req = self.requests.get(request_id)
             if req is not None:

@@ -120,8 +120,8 @@ def _decode_ref(
     k = key_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
     v = value_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
     key_ok = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
-    # Slots past a context may hold anything (even NaN): zero them so 0 * slot stays 0.
-    k = k.masked_fill(~key_ok[:, :, None, None], 0.0)
+    # Slots past a context may hold anything, even NaN: their scores become -inf below,
+    # and their values are zeroed so that probability 0 times the slot stays 0.
     v = v.masked_fill(~key_ok[:, :, None, None], 0.0)
     q_rows = torch.tensor([starts[s] for s in seqs], device=query.device)
     q = query[q_rows].float().view(len(seqs), num_kv_heads, group, head_dim)
