@@ -85,7 +85,10 @@ def bench(
         console=console,
         transient=json_output,
     ) as progress:
-        tasks = {s.label: progress.add_task(s.label, total=len(load.requests)) for s in specs}
+        tasks = {
+            s.label: progress.add_task(s.label, total=len(load.requests), start=False)
+            for s in specs
+        }
         try:
             results = run_bench(
                 load,
@@ -94,6 +97,7 @@ def bench(
                 base_config=base,
                 device=device,
                 on_done=lambda label: progress.advance(tasks[label]),
+                on_start=lambda label: progress.start_task(tasks[label]),
             )
         except ValueError as exc:
             fail(str(exc))

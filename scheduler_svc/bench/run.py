@@ -79,10 +79,12 @@ def run_bench(
     base_config: dict[str, Any],
     device: str,
     on_done: Callable[[str], None],
+    on_start: Callable[[str], None] = lambda label: None,
 ) -> list[tuple[TargetResult, TargetRun]]:
     results = []
     for spec in specs:
         config = target_config(workload, base_config, spec)
+        on_start(spec.label)
         done = functools.partial(on_done, spec.label)
         run = RUNNERS[spec.name](workload, model, config, device, done)
         result = compute_result(
