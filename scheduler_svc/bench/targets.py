@@ -127,14 +127,28 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
     )
 
 
-def _kv_from_snapshot(snapshot: Any, block_size: int) -> KVSample:
-    running = [s for s in snapshot.seqs if s.state == "running"]
+def _waste_sample(used: int, total: int, tables: list[tuple[int, int]], bs: int) -> KVSample:
+    """KV usage now; ``tables`` holds (blocks, tokens) per running sequence. A slot is
+    filled when it holds (or the step in flight writes) one of the sequence's tokens."""
     return KVSample(
         time_s=time.perf_counter(),
-        used_blocks=snapshot.gpu_blocks.total - snapshot.gpu_blocks.free,
-        total_blocks=snapshot.gpu_blocks.total,
-        allocated_slots=sum(s.num_gpu_blocks for s in running) * block_size,
-        filled_slots=sum(s.num_computed_tokens for s in running),
+        used_blocks=used,
+        total_blocks=total,
+        allocated_slots=sum(blocks * bs for blocks, _ in tables),
+        filled_slots=sum(min(blocks * bs, tokens) for blocks, tokens in tables),
+    )
+
+
+def _kv_from_snapshot(snapshot: Any, block_size: int) -> KVSample:
+    return _waste_sample(
+        snapshot.gpu_blocks.total - snapshot.gpu_blocks.free,
+        snapshot.gpu_blocks.total,
+        [
+            (s.num_gpu_blocks, s.num_prompt_tokens + s.num_output_tokens)
+            for s in snapshot.seqs
+            if s.state == "running"
+        ],
+        block_size,
     )
 
 
@@ -190,14 +204,12 @@ def run_inprocess(
                     )
                 )
                 on_done()
-            running = sched.running
             samples.append(
-                KVSample(
-                    time_s=stamp,
-                    used_blocks=sched.kv.pool.num_blocks - sched.kv.pool.num_free,
-                    total_blocks=sched.kv.pool.num_blocks,
-                    allocated_slots=sum(len(s.block_table) for s in running) * bs,
-                    filled_slots=sum(s.num_computed_tokens for s in running),
+                _waste_sample(
+                    sched.kv.pool.num_blocks - sched.kv.pool.num_free,
+                    sched.kv.pool.num_blocks,
+                    [(len(s.block_table), s.num_tokens) for s in sched.running],
+                    bs,
                 )
             )
         return TargetRun(
