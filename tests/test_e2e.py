@@ -224,19 +224,19 @@ def test_bad_input_gets_errors_and_the_server_keeps_serving(server) -> None:
         )
 
     async def duplicates() -> None:
-        # Two clients, one id: the server refuses the second (a client refuses its own
-        # duplicates before sending).
+        # Two clients, one id: the server refuses the second while the first is live (a
+        # client refuses its own duplicates before sending).
         async with AsyncClient(address) as first, AsyncClient(address) as second:
-            running = asyncio.ensure_future(
-                first.generate(
-                    prompt_token_ids=[1, 5, 6], max_tokens=200, ignore_eos=True, request_id="dup"
-                )
+            stream = first.stream(
+                prompt_token_ids=[1, 5, 6], max_tokens=250, ignore_eos=True, request_id="dup"
             )
-            await asyncio.sleep(0.3)
+            deltas = stream.__aiter__()
+            await deltas.__anext__()  # it is running now
             with pytest.raises(BadRequestError, match="in use") as refused:
                 await second.generate("again", request_id="dup")
             assert refused.value.code == "duplicate"
-            await running
+            async for _ in deltas:
+                pass
 
     asyncio.run(duplicates())
 
