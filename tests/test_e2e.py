@@ -209,6 +209,21 @@ def test_bad_input_gets_errors_and_the_server_keeps_serving(server) -> None:
         reply = server_decoder.decode(raw.recv())
         assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
         assert "prompt_token_ids" in reply.message
+        # Sampling values the client library would refuse, sent raw: NaN, negative, bool.
+        cases = (
+            (b"\xabtemperature\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00", "temperature"),
+            (b"\xa5top_p\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00", "top_p"),
+            (b"\xa1n\xc3", "sampling.n"),
+        )
+        for sampling, field in cases:
+            raw.send(
+                b"\x84\xa4type\xa8generate\xaarequest_id\xa1z\xb0prompt_token_ids\x91\x05"
+                b"\xa8sampling\x81" + sampling
+            )
+            assert raw.poll(10_000)
+            reply = server_decoder.decode(raw.recv())
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+            assert field in reply.message
     finally:
         raw.close(linger=0)
     with Client(address) as client:
