@@ -12,7 +12,6 @@ A trace is JSON Lines, one request per line::
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -251,13 +250,3 @@ class Simulation:
             },
         }
         return result
-
-
-def write_steps(path: Path) -> tuple[Callable[[dict[str, Any]], None], Callable[[], None]]:
-    """An ``on_step`` callback writing JSON Lines to ``path``, and its closer."""
-    handle = path.open("w")
-
-    def on_step(record: dict[str, Any]) -> None:
-        handle.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-    return on_step, handle.close
