@@ -321,7 +321,7 @@ class AsyncClient:
     chosen by ZeroMQ). The client binds to the event loop of its first call; use it
     from that loop only. ::
 
-        async with AsyncClient("ipc:///tmp/expeditor/frontend.sock", timeout=30) as client:
+        async with AsyncClient("ipc:///run/expeditor/frontend.sock", timeout=30) as client:
             results = await asyncio.gather(
                 *(client.generate(p, max_tokens=32, temperature=0) for p in prompts)
             )
@@ -742,7 +742,7 @@ class Client:
     are the same. Calls may come from any thread; Ctrl-C during a call cancels it (and
     aborts its request on the server). ::
 
-        with Client("ipc:///tmp/expeditor/frontend.sock") as client:
+        with Client("ipc:///run/expeditor/frontend.sock") as client:
             completion = client.generate("Hello", max_tokens=16, temperature=0)
             print(completion.text)
             print(client.inspect().snapshot)
