@@ -1,0 +1,105 @@
+"""Incremental detokenization, stop strings, and the output processor's events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from gpu_worker.tiny_model import make_tiny_model
+from ipc.schema import Delta, DeltaBatch, Finished
+from scheduler_svc.detokenizer import IncrementalDetokenizer, load_tokenizer
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
+from shared.sampling import SamplingParams
+
+TEXT = "héllo wörld ✓ 日本語 🎉 end"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tok") / "m"))
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_deltas_concatenate_to_the_text_and_hold_back_partial_utf8(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(t) for t in ids(tokenizer, TEXT)]
+    assert "".join(deltas) + detok.flush() == TEXT
+    # Multi-byte characters arrive one byte-token at a time: no replacement characters.
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # the first bytes of a multi-byte character show nothing yet
+
+
+@pytest.mark.parametrize("stop", ["wörld", "✓", "end", "o w"])
+def test_stop_string_cuts_the_text_and_nothing_past_it_is_shown(
+    tokenizer: Tokenizer, stop: str
+) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=(stop, "never"))
+    shown = ""
+    fed = 0
+    for token in ids(tokenizer, TEXT):
+        shown += detok.add(token)
+        fed += 1
+        if detok.stopped:
+            break
+    expected = TEXT[: TEXT.find(stop)]
+    assert detok.stopped and detok.text == expected and shown == expected
+    assert detok.add(5) == "" and len(detok.token_ids) == fed  # later tokens are ignored
+
+
+def test_no_stop_string_found_releases_held_back_text(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=("zzzz",))
+    shown = "".join(detok.add(t) for t in ids(tokenizer, TEXT))
+    assert len(shown) <= len(TEXT) - 3  # the last len("zzzz") - 1 characters wait
+    assert shown + detok.flush() == TEXT and not detok.stopped
+
+
+def test_load_tokenizer_needs_a_fast_tokenizer_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_output_processor_streams_batched_deltas_then_finished(tokenizer: Tokenizer) -> None:
+    sent: list[tuple[bytes, object]] = []
+    stopped: list[str] = []
+    proc = OutputProcessor(tokenizer, lambda c, m: sent.append((c, m)), stopped.append)
+    for rid in ("a", "b"):
+        proc.requests[rid] = ClientRequest(
+            request_id=rid,
+            client=b"c1",
+            stream=True,
+            params=SamplingParams(max_tokens=8, stop=("lo",) if rid == "b" else ()),
+            prompt_token_ids=[1, 2],
+            arrival=0.0,
+        )
+    tokens = ids(tokenizer, "hello")
+    for step, token in enumerate(tokens):
+        finished = step == len(tokens) - 1
+        proc.on_step(
+            StepEvents(
+                tokens=[("a", 0, "a", token), ("b", 0, "b", token)],
+                finished_seqs=[("a", 0, "length")] if finished else [],
+                finished_requests=["a"] if finished else [],
+                time=1.0 + step,
+            )
+        )
+    batches = [m for _, m in sent if isinstance(m, DeltaBatch)]
+    assert batches and all(len(b.deltas) == 2 for b in batches[:3])
+    deltas_a = [d for b in batches for d in b.deltas if d.request_id == "a"]
+    deltas_a += [m for _, m in sent if isinstance(m, Delta) and m.request_id == "a"]
+    assert "".join(d.text for d in deltas_a) == "hello"
+    assert deltas_a[-1].finish_reason == "length"
+    # "b" completed its stop string "lo" with its last token: the core is told to stop it.
+    assert stopped == ["b"]
+    finished = {m.request_id: m for _, m in sent if isinstance(m, Finished)}
+    assert finished["a"].completion.text == "hello"
+    assert finished["a"].usage.completion_tokens == len(tokens)
+    assert finished["a"].timings.ttft_s == 1.0
+    proc.finish("b")
+    b = next(m for _, m in sent if isinstance(m, Finished) and m.request_id == "b")
+    assert b.completion.text == "hel" and b.completion.finish_reason == "stop"
+    assert b.completion.token_ids == tokens  # the token completing the stop string counts
