@@ -50,11 +50,25 @@ class IncrementalDetokenizer:
         After a stop string is found, ``stopped`` is set, ``text`` ends before it, and
         later tokens are ignored.
         """
-        if self.stopped:
+        window = self.push(token_id)
+        if window is None:
             return ""
+        return self.advance(self._decode(window[0]), self._decode(window[1]))
+
+    def push(self, token_id: int) -> tuple[list[int], list[int]] | None:
+        """First half of :meth:`add`: append the token and return the two token windows
+        to decode (so a caller can decode many sequences' windows in one batch), or
+        None once stopped."""
+        if self.stopped:
+            return None
         self.token_ids.append(token_id)
-        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.token_ids[self._prefix_offset :])
+        return (
+            self.token_ids[self._prefix_offset : self._read_offset],
+            self.token_ids[self._prefix_offset :],
+        )
+
+    def advance(self, prefix: str, full: str) -> str:
+        """Second half of :meth:`add`, given the two windows decoded."""
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""  # an incomplete UTF-8 sequence: wait for the rest
         delta = full[len(prefix) :]

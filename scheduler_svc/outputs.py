@@ -76,13 +76,25 @@ class OutputProcessor:
         ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
         stopped: list[str] = []
         outbox: dict[bytes, list[Delta]] = {}
+        # Decode every sample's window in one batch, then advance each detokenizer.
+        pending: list[tuple[ClientRequest, int, str, int, IncrementalDetokenizer]] = []
+        windows: list[list[int]] = []
         for request_id, index, seq_id, token in events.tokens:
             req = self.requests.get(request_id)
             if req is None:
                 continue
             detok = self._sample(req, index)
-            if detok.stopped:
+            window = detok.push(token)
+            if window is None:
                 continue
+            pending.append((req, index, seq_id, token, detok))
+            windows.extend(window)
+        decoded: list[str] = []
+        if windows:
+            assert self.tokenizer is not None
+            decoded = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
+        for position, (req, index, seq_id, token, detok) in enumerate(pending):
+            request_id = req.request_id
             if req.first_token is None:
                 req.first_token = now
             entries = events.logprobs.get(seq_id)
@@ -91,7 +103,7 @@ class OutputProcessor:
                 # A fork step carries one entry per sample, in sample order.
                 entry = entries[index] if len(entries) > 1 else entries[0]
                 req.logprobs.setdefault(index, []).append(entry)
-            text = detok.add(token)
+            text = detok.advance(decoded[2 * position], decoded[2 * position + 1])
             reason = ended.get((request_id, index))
             if detok.stopped and index not in req.reasons:
                 reason = "stop"
