@@ -140,7 +140,7 @@ class LLM:
         self, seq: Sequence_, stops: tuple[str, ...], stop_texts: dict[str, str]
     ) -> None:
         """End ``seq`` at the first stop string in its text; the text stops before it."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut < 0:
             return
@@ -165,7 +165,7 @@ class LLM:
             output = seq.output_token_ids
             text = stop_texts.get(seq.seq_id)
             if text is None:
-                text = self.tokenizer.decode(output, skip_special_tokens=True)
+                text = str(self.tokenizer.decode(output, skip_special_tokens=True))
             samples.append(
                 CompletionSample(
                     index=seq.sample_index,

@@ -278,9 +278,10 @@ class ModelRunner:
             out = self.sampler.sample(logits, params, generators, masked)
             for row, seq_id in enumerate(owners):
                 sampled.setdefault(seq_id, []).append(out.token_ids[row])
-                if out.logprobs is not None and out.logprobs[row] is not None:
+                entry = out.logprobs[row] if out.logprobs is not None else None
+                if entry is not None:
                     logprobs = logprobs or {}
-                    logprobs.setdefault(seq_id, []).append(out.logprobs[row])
+                    logprobs.setdefault(seq_id, []).append(entry)
             for seq_id, tokens in sampled.items():
                 self.seqs[seq_id].token_ids.append(tokens[0])
         done = time.perf_counter()

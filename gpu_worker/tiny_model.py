@@ -149,6 +149,7 @@ def _config(arch: str) -> Any:
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
     }
+    config: transformers.PretrainedConfig
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
     elif arch == "qwen2":

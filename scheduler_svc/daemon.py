@@ -558,15 +558,13 @@ class SchedulerDaemon:
 
 def run_scheduler(server: ServerConfig, config: SchedulerConfig) -> int:
     """Run the daemon until SIGINT/SIGTERM; the exit status for the process."""
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.run
 
     async def main() -> int:
         daemon = SchedulerDaemon(server, config)
         return await daemon.run()
 
-    return runner(main())
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main())
+    return uvloop.run(main())

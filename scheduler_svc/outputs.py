@@ -54,7 +54,9 @@ Send = Callable[[bytes, ServerMessage], None]
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, send: Send, finish_seq: Callable[[str], None]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, send: Send, finish_seq: Callable[[str], None]
+    ) -> None:
         self.tokenizer = tokenizer
         self.send = send
         self.finish_seq = finish_seq
