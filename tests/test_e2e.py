@@ -469,3 +469,46 @@ def test_generate_and_inspect_commands(server) -> None:
         timeout=60,
     )
     assert missing.returncode == 1 and "is the server" in missing.stderr
+
+
+def test_two_ranks_serve_and_survive_losing_one(model: Path, expected) -> None:
+    """Every rank runs every plan; losing one re-queues the running requests, the
+    restarted rank joins with the same block count, and outputs stay exact."""
+    flags = [
+        "--workers",
+        "2",
+        "--num-gpu-blocks",
+        "64",
+        "--block-size",
+        "4",
+        "--num-cpu-blocks",
+        "128",
+        "--max-num-batched-tokens",
+        "32",
+        "--watermark",
+        "0",
+        "--worker-timeout-s",
+        "2",
+    ]
+    with running_server(model, *flags) as (address, proc):
+
+        async def scenario() -> tuple[list[list[int]], list[str]]:
+            async with AsyncClient(address, timeout=180) as client:
+                workers = (await client.inspect()).workers
+                assert sorted(w.rank for w in workers if w.state == "ready") == [0, 1]
+                tasks = [
+                    asyncio.ensure_future(
+                        client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                    )
+                    for p in PROMPTS[:12]
+                ]
+                while (await client.inspect()).snapshot.num_running < 2:  # type: ignore[union-attr]
+                    await asyncio.sleep(0.01)
+                _kill_worker(proc)
+                results = await asyncio.gather(*tasks)
+                states = [w.state for w in (await client.inspect()).workers]
+                return [r.token_ids for r in results], states
+
+        outputs, states = asyncio.run(scenario())
+    assert outputs == expected[:12]
+    assert "lost" in states
