@@ -512,3 +512,38 @@ def test_two_ranks_serve_and_survive_losing_one(model: Path, expected) -> None:
         outputs, states = asyncio.run(scenario())
     assert outputs == expected[:12]
     assert "lost" in states
+
+
+def test_random_frames_never_take_the_server_down(server) -> None:
+    """Garbage, truncated and wrongly typed frames each get an error; service goes on."""
+    address, _ = server
+    rng = random.Random(5)
+    valid = encode(Generate(request_id="fuzz", prompt_token_ids=[1, 2, 3]))
+    frames = []
+    for _ in range(150):
+        kind = rng.randrange(3)
+        if kind == 0:
+            frames.append(bytes(rng.randrange(256) for _ in range(rng.randint(0, 40))))
+        elif kind == 1:
+            frames.append(valid[: rng.randint(0, len(valid) - 1)])
+        else:
+            flipped = bytearray(valid)
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+            frames.append(bytes(flipped))
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(address)
+    try:
+        for frame in frames:
+            raw.send(frame)
+        replies = []
+        while len(replies) < len(frames) and raw.poll(5_000):
+            replies.append(server_decoder.decode(raw.recv()))
+        # A flipped byte can still make a valid request: it is accepted and then served.
+        errors = [r for r in replies if isinstance(r, ErrorReply)]
+        assert errors and all(r.code in ("bad_request", "duplicate", "rejected") for r in errors)
+    finally:
+        raw.close(linger=0)
+    with Client(address) as client:
+        assert client.health().status == "ok"
+        assert client.generate("after the storm", max_tokens=3).usage.completion_tokens >= 1
