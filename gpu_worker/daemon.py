@@ -176,7 +176,7 @@ class WorkerDaemon:
             kv_bytes_per_block=self.runner.layout.bytes_per_block,
             block_size=setup.block_size,
             model=os.path.abspath(model_dir),
-            eos_token_id=self.runner.eos_token_id,
+            eos_token_ids=self.runner.eos_token_ids,
         )
 
     def _attach(self, name: str) -> None:

@@ -78,7 +78,7 @@ class LLM:
         )
         self.scheduler = Scheduler(
             self.config,
-            eos_token_id=self.runner.eos_token_id,
+            eos_token_ids=self.runner.eos_token_ids,
             kv_bytes_per_block=self.runner.layout.bytes_per_block,
         )
         self._next_id = 0

@@ -8,6 +8,7 @@ sequence's tokens and block table between steps, so plans carry deltas only.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,7 @@ class ModelRunner:
             )
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool)
         self.sampler = Sampler()
-        self.eos_token_id: int | None = _first_id(config.eos_token_id)
+        self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.seqs: dict[str, _RunnerSeq] = {}
 
     @property
@@ -255,8 +256,7 @@ class ModelRunner:
             banned: list[int] = []
             if num_output < p.min_tokens:
                 banned = list(p.stop_token_ids)
-                if self.eos_token_id is not None:
-                    banned.append(self.eos_token_id)
+                banned.extend(self.eos_token_ids)
             samples = [seq.sample_index, *range(1, plan.num_samples.get(seq_id, 1))]
             for sample_index in samples:
                 rows.append(query_start_loc[index + 1] - 1)
@@ -298,7 +298,18 @@ class ModelRunner:
         )
 
 
-def _first_id(value: int | list[int] | None) -> int | None:
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
+def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> list[int]:
+    """Every id that ends generation: the model config's and the generation config's
+    ``eos_token_id`` (each an int or a list; Llama 3 lists several)."""
+    found: list[int] = []
+    values: list[object] = [config.eos_token_id]
+    try:
+        generation = json.loads((Path(model_dir) / "generation_config.json").read_text())
+        values.append(generation.get("eos_token_id"))
+    except (OSError, ValueError):
+        pass
+    for value in values:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in found:
+                found.append(token)
+    return found

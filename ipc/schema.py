@@ -153,7 +153,8 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     kv_bytes_per_block: int
     block_size: int
     model: str
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    """Every token id that ends generation (a model may list several)."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):

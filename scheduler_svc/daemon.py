@@ -419,7 +419,7 @@ class SchedulerDaemon:
             self.swap_pool = SwapPoolSegment.create(config.num_cpu_blocks, hello.kv_bytes_per_block)
         self.outputs.tokenizer = load_tokenizer(hello.model)
         self.core = Scheduler(
-            config, eos_token_id=hello.eos_token_id, kv_bytes_per_block=hello.kv_bytes_per_block
+            config, eos_token_ids=hello.eos_token_ids, kv_bytes_per_block=hello.kv_bytes_per_block
         )
         backlog, self.backlog = self.backlog, []
         for identity, msg in backlog:

@@ -26,6 +26,7 @@ max_model_len) and frees their blocks.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ipc.schema import (
@@ -90,13 +91,14 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         *,
-        eos_token_id: int | None,
+        eos_token_ids: Iterable[int],
         kv_bytes_per_block: int,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
         self.config = config
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        """Token ids that end a sequence unless ignore_eos (a model may list several)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(
@@ -493,7 +495,8 @@ class Scheduler:
         params = request.params
         num_output = len(token_ids) - seq.num_prompt_tokens
         if num_output > params.min_tokens and (
-            (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+            (token in self.eos_token_ids and not params.ignore_eos)
+            or token in params.stop_token_ids
         ):
             self._finish(seq, FinishReason.STOP, outcome)
         elif num_output >= request.max_output_tokens or len(token_ids) >= self.max_model_len:

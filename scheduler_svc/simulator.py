@@ -124,7 +124,7 @@ class Simulation:
         self.config = config
         self.model = FakeModel(eos_at={r.id: r.eos_at for r in trace if r.eos_at is not None})
         self.scheduler = Scheduler(
-            config, eos_token_id=self.model.eos_token_id, kv_bytes_per_block=kv_bytes_per_block
+            config, eos_token_ids=[self.model.eos_token_id], kv_bytes_per_block=kv_bytes_per_block
         )
         self.worker = FakeWorker(
             self.model,

@@ -102,7 +102,7 @@ def test_logprobs_are_returned_per_token(make_llm) -> None:
 
 def test_min_tokens_and_ignore_eos(make_llm) -> None:
     llm = make_llm(num_gpu_blocks=64)
-    eos = llm.runner.eos_token_id
+    eos = llm.runner.eos_token_ids
     # Make EOS the first choice: a stop token list holding the greedy first token.
     first = llm.generate([[1, 80, 81]], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids[
         0
@@ -112,7 +112,7 @@ def test_min_tokens_and_ignore_eos(make_llm) -> None:
     delayed = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(first,), min_tokens=3)
     out = llm.generate([[1, 80, 81]], delayed)[0]
     assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
-    assert eos is not None
+    assert eos == [2]
 
 
 def test_rejection_names_the_prompt(make_llm) -> None:
@@ -122,3 +122,29 @@ def test_rejection_names_the_prompt(make_llm) -> None:
     assert not llm.scheduler.has_work()
     with pytest.raises(TypeError):
         llm.generate("not a list")  # type: ignore[arg-type]
+
+
+def test_every_eos_id_of_the_generation_config_ends_generation(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Models such as Llama 3 list several EOS ids in generation_config.json."""
+    import json
+    import shutil
+
+    model = tmp_path / "multi-eos"
+    shutil.copytree(checkpoint, model)
+    prompt = [1, 90, 91, 92]
+    with LLM(model, device="cpu", num_gpu_blocks=64) as llm:
+        tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].token_ids
+    assert 2 not in tokens[:3]
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, tokens[2]]
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    with LLM(model, device="cpu", num_gpu_blocks=64) as llm:
+        assert llm.runner.eos_token_ids == [2, tokens[2]]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        assert out.token_ids == tokens[:3] and out.finish_reason == "stop"
+        kept = llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        )
+        assert kept[0].token_ids == tokens

@@ -33,7 +33,7 @@ class Harness:
         self.cfg = SchedulerConfig(**defaults)  # type: ignore[arg-type]
         self.model = FakeModel(eos_at=eos_at)
         self.sched = Scheduler(
-            self.cfg, eos_token_id=self.model.eos_token_id, kv_bytes_per_block=1 << 20
+            self.cfg, eos_token_ids=[self.model.eos_token_id], kv_bytes_per_block=1 << 20
         )
         self.worker = FakeWorker(
             self.model,

@@ -131,7 +131,7 @@ def test_worker_hello_round_trip() -> None:
         kv_bytes_per_block=2 << 20,
         block_size=16,
         model="tiny",
-        eos_token_id=2,
+        eos_token_ids=[2, 7],
     )
     back = decode(encode(hello))
     assert isinstance(back, WorkerHello)

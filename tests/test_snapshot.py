@@ -24,7 +24,7 @@ CFG = SchedulerConfig(
 
 def make() -> tuple[Scheduler, FakeWorker]:
     model = FakeModel()
-    sched = Scheduler(CFG, eos_token_id=model.eos_token_id, kv_bytes_per_block=1024)
+    sched = Scheduler(CFG, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1024)
     worker = FakeWorker(model, block_size=4, num_gpu_blocks=12, num_cpu_blocks=16)
     return sched, worker
 
