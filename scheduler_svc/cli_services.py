@@ -29,9 +29,15 @@ def _logging(verbose: bool) -> None:
 
 def _server(config_file: Path | None, overrides: dict[str, Any]) -> ServerConfig:
     try:
-        return load_server_config(config_file, overrides=overrides)
+        server = load_server_config(config_file, overrides=overrides)
     except ConfigError as exc:
         fail(str(exc))
+    if server.model and not (Path(server.model) / "config.json").is_file():
+        fail(
+            f"model: {server.model} is not a checkpoint directory (no config.json); "
+            "give a local Hugging Face checkpoint, or leave it empty for the tiny model"
+        )
+    return server
 
 
 @app.command()

@@ -29,6 +29,9 @@ from shared.server_config import ServerConfig, server_config_to_toml
 log = logging.getLogger("expeditor.serve")
 
 READY_TIMEOUT_S = 300.0
+MAX_FAILED_STARTS = 3
+"""A worker that exits non-zero this many times before the server was ever ready is not
+restarted again: serve gives up with status 1 (its log says why)."""
 
 
 class Supervisor:
@@ -44,6 +47,8 @@ class Supervisor:
         self.config_path.write_text(server_config_to_toml(server) + "\n" + config_to_toml(config))
         self.scheduler: subprocess.Popen[bytes] | None = None
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.failed_starts: dict[int, int] = {}
+        self.ready = False
         self.stopping = False
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
@@ -85,9 +90,11 @@ class Supervisor:
                 if self.scheduler is None or self.scheduler.poll() is not None:
                     log.error("the scheduler exited during start-up")
                     return False
-                self._restart_dead_workers()
+                if not self._restart_dead_workers():
+                    return False
                 try:
                     if client.health().status == "ok":
+                        self.ready = True
                         return True
                 except (ClientTimeoutError, ServerError):
                     pass
@@ -96,16 +103,27 @@ class Supervisor:
             log.error("the server did not become ready within %.0f s", READY_TIMEOUT_S)
         return False
 
-    def _restart_dead_workers(self) -> None:
+    def _restart_dead_workers(self) -> bool:
+        """Restart dead workers; False when one keeps failing before the server was ready."""
         for rank, proc in list(self.workers.items()):
             if proc.poll() is None:
                 continue
+            if not self.ready and proc.returncode != 0:
+                self.failed_starts[rank] = self.failed_starts.get(rank, 0) + 1
+                if self.failed_starts[rank] >= MAX_FAILED_STARTS:
+                    log.error(
+                        "worker rank %d failed to start %d times: giving up",
+                        rank,
+                        self.failed_starts[rank],
+                    )
+                    return False
             if self.server.restart_workers and not self.stopping:
                 log.warning("worker rank %d exited with %s: restarting", rank, proc.returncode)
                 self._spawn_worker(rank)
             else:
                 log.error("worker rank %d exited with %s", rank, proc.returncode)
                 del self.workers[rank]
+        return True
 
     def _supervise(self) -> int:
         while not self.stopping:

@@ -547,3 +547,20 @@ def test_random_frames_never_take_the_server_down(server) -> None:
     with Client(address) as client:
         assert client.health().status == "ok"
         assert client.generate("after the storm", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_serve_that_cannot_serve_exits_non_zero(tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "scheduler_svc", "serve"]
+    missing = subprocess.run(
+        [*run, "--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 2 and "no config.json" in missing.stderr
+    unsupported = tmp_path / "gpt2"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text('{"model_type": "gpt2"}')
+    failing = subprocess.run(
+        [*run, "--model", str(unsupported)], capture_output=True, text=True, timeout=120
+    )
+    assert failing.returncode == 1
+    assert "model type 'gpt2' is not supported" in failing.stderr
+    assert "giving up" in failing.stderr and failing.stdout == ""
