@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -269,6 +270,25 @@ class SchedulerDaemon(FrontendMixin):
         if not inflight.pending and inflight.future is not None and not inflight.future.done():
             inflight.future.set_result(inflight.results[min(inflight.results)])
 
+    def _kill_hung(self, inflight: _Inflight) -> None:
+        """Workers that still owe a step after step_timeout_s are hung (a stuck kernel
+        keeps heartbeats going): kill them, so serve or systemd starts fresh ones."""
+        for identity in list(inflight.pending):
+            handle = self.registry.drop(identity)
+            if handle is None:
+                continue
+            log.error(
+                "worker rank %d (pid %d) did not finish step %d in %g s: killing it",
+                handle.rank,
+                handle.pid,
+                inflight.step,
+                self.server.step_timeout_s,
+            )
+            try:
+                os.kill(handle.pid, signal.SIGKILL)
+            except OSError as exc:  # gone already, or not ours to kill
+                log.warning("could not kill pid %d: %s", handle.pid, exc)
+
     def _lose(self, identity: bytes) -> None:
         handle = self.registry.drop(identity)
         if handle is not None:
@@ -309,7 +329,14 @@ class SchedulerDaemon(FrontendMixin):
                 await self.backend.send_multipart([handle.identity, payload])
             try:
                 assert inflight.future is not None
-                result = await inflight.future
+                result = await asyncio.wait_for(
+                    asyncio.shield(inflight.future), timeout=self.server.step_timeout_s
+                )
+            except TimeoutError:
+                self._kill_hung(inflight)
+                self.inflight = None
+                core.on_worker_lost()
+                continue
             except WorkerLostError:
                 self.inflight = None
                 core.on_worker_lost()

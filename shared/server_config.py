@@ -24,6 +24,7 @@ SERVER_FIELD_HELP: dict[str, str] = {
     "worker_timeout_s": "A worker silent this long (no heartbeat) is lost.",
     "worker_wait_s": "After losing every worker, requests wait this long for one, then fail.",
     "restart_workers": "serve: restart a worker that died (else its requests fail).",
+    "step_timeout_s": "A worker that owes a step this long (heartbeats or not) is hung: killed.",
 }
 
 
@@ -38,6 +39,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     worker_timeout_s: float = 5.0
     worker_wait_s: float = 60.0
     restart_workers: bool = True
+    step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -47,7 +49,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
                 field="gpu_memory_utilization",
             )
-        for name in ("client_timeout_s", "worker_timeout_s", "worker_wait_s"):
+        for name in ("client_timeout_s", "worker_timeout_s", "worker_wait_s", "step_timeout_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ConfigError(f"{name}: must be a positive number, got {value}", field=name)

@@ -564,3 +564,62 @@ def test_serve_that_cannot_serve_exits_non_zero(tmp_path: Path) -> None:
     assert failing.returncode == 1
     assert "model type 'gpt2' is not supported" in failing.stderr
     assert "giving up" in failing.stderr and failing.stdout == ""
+
+
+HUNG_WORKER = """
+import os, sys, time, zmq
+from ipc.schema import Heartbeat, WorkerHello, WorkerJoin, control_decoder, encode
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send(encode(WorkerJoin(rank=0, pid=os.getpid(), device="cpu")))
+setup = control_decoder.decode(sock.recv())
+sock.send(encode(WorkerHello(
+    rank=0, pid=os.getpid(), device="cpu", num_gpu_blocks=64, kv_bytes_per_block=1024,
+    block_size=setup.block_size, model=sys.argv[2], eos_token_ids=[2],
+)))
+while True:  # heartbeats forever, never answers a plan: a stuck kernel
+    sock.send(encode(Heartbeat(rank=0)))
+    if sock.poll(200):
+        sock.recv()
+"""
+
+
+def test_a_worker_hung_inside_a_step_is_killed(model: Path, tmp_path: Path) -> None:
+    workers = f"ipc://{tmp_path}/w.sock"
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "scheduler",
+            "--model",
+            str(model),
+            "--frontend",
+            f"ipc://{tmp_path}/fe.sock",
+            "--worker-endpoint",
+            workers,
+            "--step-timeout-s",
+            "2",
+            "--worker-wait-s",
+            "2",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    hung = subprocess.Popen([sys.executable, "-c", HUNG_WORKER, workers, str(model)])
+    try:
+        with Client(f"ipc://{tmp_path}/fe.sock", timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while client.health().status != "ok" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            started = time.monotonic()
+            with pytest.raises(WorkerLostError):
+                client.generate("stuck", max_tokens=4)
+            assert hung.wait(timeout=10) == -signal.SIGKILL
+            assert time.monotonic() - started < 15
+            assert client.health().status == "degraded"
+    finally:
+        for proc in (hung, scheduler):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert b"did not finish step" in scheduler.stderr.read()  # type: ignore[union-attr]
