@@ -207,6 +207,7 @@ def test_example_config_parses() -> None:
         "client_timeout_s": 10.0,
         "worker_timeout_s": 5.0,
         "worker_wait_s": 60.0,
+        "step_timeout_s": 600.0,
     }
 
 
