@@ -122,19 +122,18 @@ class WorkerDaemon:
             return self._fail(f"{type(exc).__name__}: {exc}")
         self._send(hello)
         log.info("rank %d ready on %s: %d KV blocks", self.rank, self.device, hello.num_gpu_blocks)
-        pending: tuple[Future[StepResult], int] | None = None
+        pending: Future[StepResult] | None = None
         while not self.stop:
             self._beat()
-            if pending is not None and pending[0].done():
-                future, _ = pending
-                pending = None
+            if pending is not None and pending.done():
+                future, pending = pending, None
                 try:
                     self._send(future.result())
                 except Exception as exc:
                     return self._fail(f"step failed: {type(exc).__name__}: {exc}")
             if pending is not None:
                 # Wake the moment the step ends, or in time for the next heartbeat.
-                wait([pending[0]], timeout=HEARTBEAT_S)
+                wait([pending], timeout=HEARTBEAT_S)
                 continue
             try:
                 message = self._recv(0.1)
@@ -144,7 +143,7 @@ class WorkerDaemon:
                 continue
             if isinstance(message, BatchPlan):
                 assert self.runner is not None
-                pending = (self.executor.submit(self.runner.execute, message), message.step)
+                pending = self.executor.submit(self.runner.execute, message)
             elif isinstance(message, AttachSwapPool):
                 self._attach(message.name)
             elif isinstance(message, Shutdown):

@@ -21,9 +21,10 @@ from transformers import AutoTokenizer
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
 from gpu_worker.tiny_model import default_model_dir
+from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
 from scheduler_svc.request import Sequence as Sequence_
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler import Scheduler, UpdateOutcome
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
 from shared.outputs import Completion, CompletionSample
@@ -122,42 +123,39 @@ class LLM:
                 for request in requests:
                     self.scheduler.abort(request.request_id)
                 raise RejectedError(exc.code, f"prompt {index}: {exc.message}") from None
-        stop_texts: dict[str, str] = {}
+        # Stop strings need text: each sequence that has some gets an incremental
+        # detokenizer, fed one token a step (the daemon's output path does the same).
+        stop_detoks: dict[str, IncrementalDetokenizer] = {}
         self._logprobs = {}
         while self.scheduler.has_work():
-            plan = self.scheduler.schedule()
-            result = self.runner.execute(plan)
-            for seq_id, entries in (result.logprobs or {}).items():
-                self._collect_logprobs(seq_id, entries)
-            outcome = self.scheduler.update(result)
+            outcome = self.step()
+            for seq_id, entry in outcome.logprobs.items():
+                self._logprobs.setdefault(seq_id, []).append(entry)
             for seq in outcome.advanced:
                 stops = seq.request.params.stop
-                if stops and seq.seq_id not in stop_texts:
-                    self._check_stop_strings(seq, stops, stop_texts)
+                if stops:
+                    detok = stop_detoks.get(seq.seq_id)
+                    if detok is None:
+                        detok = stop_detoks[seq.seq_id] = IncrementalDetokenizer(
+                            self.tokenizer.backend_tokenizer, stops
+                        )
+                    if not detok.stopped:
+                        detok.add(seq.token_ids[-1])
+                        if detok.stopped:
+                            self._stop(seq)
+        stop_texts = {sid: d.text for sid, d in stop_detoks.items() if d.stopped}
         return [self._completion(request, stop_texts) for request in requests]
 
-    def _check_stop_strings(
-        self, seq: Sequence_, stops: tuple[str, ...], stop_texts: dict[str, str]
-    ) -> None:
-        """End ``seq`` at the first stop string in its text; the text stops before it."""
-        text = str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut < 0:
-            return
-        stop_texts[seq.seq_id] = text[:cut]
+    def step(self) -> UpdateOutcome:
+        """One step: schedule, run it on the model, apply the sampled tokens."""
+        return self.scheduler.update(self.runner.execute(self.scheduler.schedule()))
+
+    def _stop(self, seq: Sequence_) -> None:
+        """A stop string ended ``seq`` (possibly the step that also ended it otherwise)."""
         if seq.status is SeqStatus.FINISHED:
-            seq.finish_reason = FinishReason.STOP  # it ended this step for another reason
+            seq.finish_reason = FinishReason.STOP
         else:
             self.scheduler.finish_seq(seq.seq_id, FinishReason.STOP)
-
-    def _collect_logprobs(self, seq_id: str, entries: list[dict[int, float]]) -> None:
-        """A fork step returns one entry per sample: entry i belongs to sample i."""
-        if len(entries) == 1:
-            self._logprobs.setdefault(seq_id, []).append(entries[0])
-            return
-        base = seq_id.rsplit("/", 1)[0]
-        for index, entry in enumerate(entries):
-            self._logprobs.setdefault(f"{base}/{index}", []).append(entry)
 
     def _completion(self, request: Request, stop_texts: dict[str, str]) -> Completion:
         samples = []

@@ -14,7 +14,8 @@ from rich.table import Table
 
 from ipc.schema import InspectReply
 from scheduler_svc.cli import app, fail
-from shared.errors import InvalidRequestError
+from shared.errors import ConfigError, InvalidRequestError
+from shared.server_config import check_endpoint
 
 Address = Annotated[
     str,
@@ -30,9 +31,10 @@ Timeout = Annotated[float, typer.Option(help="Seconds to wait for the server.")]
 def _check_address(address: str) -> None:
     if not address:
         fail("--address is required (or set EXPEDITOR_ADDRESS)")
-    scheme, sep, _ = address.partition("://")
-    if not sep or scheme not in ("ipc", "tcp"):
-        fail(f"--address: expected ipc://PATH or tcp://HOST:PORT, got {address!r}")
+    try:
+        check_endpoint("--address", address)
+    except ConfigError as exc:
+        fail(str(exc))
 
 
 @app.command()

@@ -28,6 +28,7 @@ from ipc.schema import (
     AttachSwapPool,
     Generate,
     Heartbeat,
+    NewSeq,
     Shutdown,
     StepResult,
     WorkerError,
@@ -88,7 +89,6 @@ class SchedulerDaemon(FrontendMixin):
         self.swap_pool: SwapPoolSegment | None = None
         self.backlog: list[tuple[bytes, Generate]] = []
         self.clients: dict[bytes, float] = {}
-        self.client_requests: dict[bytes, set[str]] = {}
         self.events: asyncio.Queue[StepEvents | tuple[str, str, str, str]] = asyncio.Queue()
         self.wake = asyncio.Event()
         self.stop_event = asyncio.Event()
@@ -343,9 +343,9 @@ class SchedulerDaemon(FrontendMixin):
                 continue
             self.inflight = None
             outcome = core.update(result)
-            self.events.put_nowait(self._capture(plan.new_seqs, outcome, result))
+            self.events.put_nowait(self._capture(plan.new_seqs, outcome))
 
-    def _capture(self, new_seqs: list, outcome: UpdateOutcome, result: StepResult) -> StepEvents:
+    def _capture(self, new_seqs: list[NewSeq], outcome: UpdateOutcome) -> StepEvents:
         return StepEvents(
             tokens=[
                 (s.request.request_id, s.sample_index, s.seq_id, s.token_ids[-1])
@@ -356,7 +356,7 @@ class SchedulerDaemon(FrontendMixin):
                 for s in outcome.finished
             ],
             finished_requests=[r.request_id for r in outcome.finished_requests],
-            logprobs=dict(result.logprobs or {}),
+            logprobs=outcome.logprobs,
             scheduled_requests=[n.request_id for n in new_seqs],
             time=time.monotonic(),
         )
@@ -393,25 +393,24 @@ class SchedulerDaemon(FrontendMixin):
             return
         if self.short_since is None:
             self.short_since = now
-        if now - self.short_since < self.server.worker_wait_s or not self.outputs.requests:
+        if now - self.short_since < self.server.worker_wait_s:
             return
         message = f"no worker for {self.server.worker_wait_s:g} s"
         for request_id in list(self.outputs.requests):
-            self.backlog = [(i, m) for i, m in self.backlog if m.request_id != request_id]
-            if self.core is not None:
-                self.core.abort(request_id)
-            self.events.put_nowait(("fail", request_id, "worker_lost", message))
+            self._end_request(request_id, "worker_lost", message)
 
     def _check_clients(self, now: float) -> None:
-        for identity, last_seen in list(self.clients.items()):
-            if now - last_seen <= self.server.client_timeout_s:
-                continue
-            live = [r for r in self.client_requests.get(identity, ()) if r in self.outputs.requests]
-            for request_id in live:
+        silent = {
+            c for c, seen in self.clients.items() if now - seen > self.server.client_timeout_s
+        }
+        if not silent:
+            return
+        for request_id, request in list(self.outputs.requests.items()):
+            if request.client in silent:
                 log.info("client went silent: aborting %s", request_id)
                 self._end_request(request_id)
-            del self.clients[identity]
-            self.client_requests.pop(identity, None)
+        for client in silent:
+            del self.clients[client]
 
 
 def run_scheduler(server: ServerConfig, config: SchedulerConfig) -> int:

@@ -40,7 +40,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("expeditor.scheduler")
 
-REJECT_CODES = {"invalid": "bad_request", "too_long": "rejected", "overloaded": "overloaded"}
+REJECT_CODES = {
+    "invalid": "bad_request",
+    "duplicate": "duplicate",
+    "too_long": "rejected",
+    "overloaded": "overloaded",
+}
 
 
 class FrontendMixin:
@@ -53,7 +58,6 @@ class FrontendMixin:
     model: str
     backlog: list[tuple[bytes, Generate]]
     clients: dict[bytes, float]
-    client_requests: dict[bytes, set[str]]
     events: asyncio.Queue[StepEvents | tuple[str, str, str, str]]
     wake: asyncio.Event
     started: float
@@ -129,7 +133,6 @@ class FrontendMixin:
         return None
 
     def _client_request(self, identity: bytes, msg: Generate, prompt: list[int]) -> ClientRequest:
-        self.client_requests.setdefault(identity, set()).add(msg.request_id)
         return ClientRequest(
             request_id=msg.request_id,
             client=identity,
@@ -150,8 +153,7 @@ class FrontendMixin:
             self.core.add_request(rid, prompt, msg.sampling, priority=msg.priority)
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
-            code = "duplicate" if "already in use" in exc.message else REJECT_CODES[exc.code]
-            return self._refuse(identity, rid, code, exc.message)
+            return self._refuse(identity, rid, REJECT_CODES[exc.code], exc.message)
         request = self.outputs.requests.get(rid) or self._client_request(identity, msg, prompt)
         request.prompt_token_ids = prompt
         self.outputs.requests[rid] = request
@@ -168,12 +170,16 @@ class FrontendMixin:
         self._send(identity, AbortAck(request_id=request_id, aborted=True))
         return None
 
-    def _end_request(self, request_id: str) -> None:
-        """Abort in the core (any state) and finish it for the client, in event order."""
+    def _end_request(self, request_id: str, code: str = "", message: str = "") -> None:
+        """Abort a request wherever it is (backlog, core) and tell its client, in event
+        order: Finished with reason "abort", or, given a ``code``, ErrorReply."""
         self.backlog = [(i, m) for i, m in self.backlog if m.request_id != request_id]
         if self.core is not None:
             self.core.abort(request_id)
-        self.events.put_nowait(("finish", request_id, "abort", ""))
+        if code:
+            self.events.put_nowait(("fail", request_id, code, message))
+        else:
+            self.events.put_nowait(("finish", request_id, "abort", ""))
 
     def _stop_seq(self, seq_id: str) -> None:
         """A stop string ended a sample: end it in the core; finish the request if done."""

@@ -28,8 +28,8 @@ class StepEvents:
     finished_seqs: list[tuple[str, int, str]] = field(default_factory=list)
     """(request id, sample index, finish reason)."""
     finished_requests: list[str] = field(default_factory=list)
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    """sequence id -> logprobs entries of this step (n entries on a fork step)."""
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Sequence id -> logprobs of its new token (UpdateOutcome.logprobs)."""
     scheduled_requests: list[str] = field(default_factory=list)
     """Requests scheduled for the first time in this step."""
     time: float = 0.0
@@ -99,11 +99,8 @@ class OutputProcessor:
             request_id = req.request_id
             if req.first_token is None:
                 req.first_token = now
-            entries = events.logprobs.get(seq_id)
-            entry = None
-            if entries:
-                # A fork step carries one entry per sample, in sample order.
-                entry = entries[index] if len(entries) > 1 else entries[0]
+            entry = events.logprobs.get(seq_id)
+            if entry is not None:
                 req.logprobs.setdefault(index, []).append(entry)
             text = detok.advance(decoded[2 * position], decoded[2 * position + 1])
             reason = ended.get((request_id, index))

@@ -31,8 +31,8 @@ class FinishReason(enum.StrEnum):
 class RejectedError(Exception):
     """A request refused at submission; ``code`` is machine-readable, the message is not.
 
-    Codes: ``invalid`` (bad request data, duplicate id), ``too_long`` (can never fit),
-    ``overloaded`` (waiting queue full).
+    Codes: ``invalid`` (bad request data), ``duplicate`` (the id, or one of its sample
+    ids, is in use), ``too_long`` (can never fit), ``overloaded`` (waiting queue full).
     """
 
     def __init__(self, code: str, message: str) -> None:

@@ -77,6 +77,8 @@ class UpdateOutcome:
     """Sequences that got new tokens (their last ``len(tokens)`` entries)."""
     finished: list[Sequence] = field(default_factory=list)
     finished_requests: list[Request] = field(default_factory=list)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Sequence id -> logprobs of the token it got, where the request asked for them."""
 
 
 def _sort_key(seq: Sequence) -> tuple[float, int, int]:
@@ -166,7 +168,7 @@ class Scheduler(IntrospectionMixin):
         if not isinstance(request_id, str) or not request_id:
             raise RejectedError("invalid", "request_id must be a non-empty string")
         if request_id in self.requests:
-            raise RejectedError("invalid", f"request_id {request_id!r} is already in use")
+            raise RejectedError("duplicate", f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise RejectedError("invalid", "params must be SamplingParams")
         if type(priority) is not int:
@@ -200,7 +202,7 @@ class Scheduler(IntrospectionMixin):
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
             if seq_id in self.seqs:
-                raise RejectedError("invalid", f"sequence id {seq_id!r} is already in use")
+                raise RejectedError("duplicate", f"sequence id {seq_id!r} is already in use")
         if len(self.waiting) >= cfg.max_waiting_requests:
             raise RejectedError(
                 "overloaded",
@@ -446,6 +448,7 @@ class Scheduler(IntrospectionMixin):
         self.kv.cpu_pool.release(self._cpu_release)
         self._cpu_release = []
         sampled = result.sampled_token_ids
+        logprobs = result.logprobs or {}
         outcome = UpdateOutcome()
         running = SeqStatus.RUNNING
         for seq, num_new in inflight:
@@ -459,10 +462,16 @@ class Scheduler(IntrospectionMixin):
                 raise WorkerProtocolError(
                     f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
                 )
+            # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
+            entries = logprobs.get(seq.seq_id)
             if seq.pending_forks:
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
+                    if entries:
+                        outcome.logprobs[child.seq_id] = entries[index]
                     self._append_token(child, token, outcome)
+            if entries:
+                outcome.logprobs[seq.seq_id] = entries[0]
             self._append_token(seq, tokens[0], outcome)
         return outcome
 

@@ -12,7 +12,6 @@ A trace is JSON Lines, one request per line::
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from scheduler_svc.bench.metrics import percentile, summarize
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.request import RejectedError
 from scheduler_svc.scheduler import Scheduler
@@ -95,14 +95,6 @@ class SimResult:
     """request id -> reason its last sequence ended with."""
     seq_finish_reasons: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
-    return ordered[rank]
 
 
 class Simulation:
@@ -236,13 +228,9 @@ class Simulation:
             "rejected": len(result.rejected),
             "preemptions": dict(sched.preemptions),
             "wait_steps": {
-                str(p): {"max": max(w), "p99": _percentile(w, 99)} for p, w in sorted(waits.items())
+                str(p): {"max": max(w), "p99": percentile(w, 99)} for p, w in sorted(waits.items())
             },
-            "step_time_us": {
-                "mean": sum(micros) / len(micros) if micros else 0.0,
-                "p50": _percentile(micros, 50),
-                "p99": _percentile(micros, 99),
-            },
+            "step_time_us": summarize(micros) or {"mean": 0.0, "p50": 0.0, "p99": 0.0},
             "invariants_ok": invariants_ok if self.check else None,
             "leftover_blocks": {
                 "gpu_in_use": sched.kv.pool.num_blocks - sched.kv.pool.num_free,

@@ -623,3 +623,20 @@ def test_a_worker_hung_inside_a_step_is_killed(model: Path, tmp_path: Path) -> N
                 proc.kill()
             proc.wait()
     assert b"did not finish step" in scheduler.stderr.read()  # type: ignore[union-attr]
+
+
+def test_logprobs_of_forked_samples_reach_the_client(server) -> None:
+    address, _ = server
+    with Client(address) as client:
+        completion = client.generate(
+            prompt_token_ids=[1, 70, 71, 72],
+            max_tokens=5,
+            n=3,
+            temperature=1.0,
+            seed=3,
+            logprobs=2,
+        )
+    for sample in completion.samples:
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
+        for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+            assert token in entry

@@ -148,3 +148,13 @@ def test_every_eos_id_of_the_generation_config_ends_generation(
             [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         )
         assert kept[0].token_ids == tokens
+
+
+def test_logprobs_of_forked_samples_belong_to_each_sample(make_llm) -> None:
+    llm = make_llm(num_gpu_blocks=64)
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, logprobs=2)
+    completion = llm.generate([[1, 70, 71, 72]], params)[0]
+    for sample in completion.samples:
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
+        for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+            assert token in entry

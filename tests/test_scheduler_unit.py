@@ -143,7 +143,7 @@ def test_rejects_a_duplicate_id_and_keeps_the_original() -> None:
     h = Harness()
     first = h.add("r", 5, max_tokens=2)
     error = rejected(h, "r", 5, max_tokens=2)
-    assert error.code == "invalid"
+    assert error.code == "duplicate"
     assert "'r'" in error.message
     assert h.sched.requests["r"] is first
     assert len(h.sched.waiting) == 1
@@ -155,7 +155,7 @@ def test_rejects_a_sample_id_clash() -> None:
     h = Harness()
     h.add("x/1", 5, max_tokens=2)
     error = rejected(h, "x", 5, max_tokens=2, n=2)
-    assert error.code == "invalid"
+    assert error.code == "duplicate"
     assert "x/1" in error.message
 
 

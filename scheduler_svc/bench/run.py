@@ -91,7 +91,6 @@ def run_bench(
             spec.label,
             workload.name,
             run.timelines,
-            run.duration_s,
             kv_samples=run.kv_samples,
             preemptions=run.preemptions,
             prefix_hit_rate=run.prefix_hit_rate,

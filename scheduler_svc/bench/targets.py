@@ -35,17 +35,10 @@ OnDone = Callable[[], None]
 @dataclass
 class TargetRun:
     timelines: list[RequestTimeline]
-    duration_s: float
     kv_samples: list[KVSample] | None = None
     preemptions: dict[str, int] | None = None
     prefix_hit_rate: float | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def _duration(timelines: list[RequestTimeline], start: float) -> float:
-    if not timelines:
-        return 0.0
-    return max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
 
 
 def _flags(config: dict[str, Any]) -> list[str]:
@@ -120,7 +113,6 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
         final = (await client.inspect()).snapshot
     return TargetRun(
         timelines=timelines,
-        duration_s=_duration(timelines, start),
         kv_samples=samples,
         preemptions=dict(final.preemptions) if final else None,
         prefix_hit_rate=final.prefix_cache.hit_rate if final else None,
@@ -162,7 +154,7 @@ def run_inprocess(
     from shared.sampling import SamplingParams
 
     with LLM(model, device=device, **config) as llm:
-        sched, runner = llm.scheduler, llm.runner
+        sched = llm.scheduler
         pending = sorted(workload.requests, key=lambda r: r.arrival_s, reverse=True)
         arrivals: dict[str, float] = {}
         token_times: dict[str, list[float]] = {}
@@ -187,7 +179,7 @@ def run_inprocess(
             if not sched.has_work():
                 time.sleep(max(0.0, min(0.01, start + pending[-1].arrival_s - now)))
                 continue
-            outcome = sched.update(runner.execute(sched.schedule()))
+            outcome = llm.step()
             stamp = time.perf_counter()
             for seq in outcome.advanced:
                 token_times[seq.request.request_id].append(stamp)
@@ -214,7 +206,6 @@ def run_inprocess(
             )
         return TargetRun(
             timelines=timelines,
-            duration_s=_duration(timelines, start),
             kv_samples=samples,
             preemptions=dict(sched.preemptions),
             prefix_hit_rate=(sched.kv.hit_tokens / sched.kv.queried_tokens)
@@ -295,7 +286,6 @@ def run_static(
             on_done()
     return TargetRun(
         timelines=timelines,
-        duration_s=_duration(timelines, start),
         notes=[f"batches of {batch_size}, each until its longest request ends"],
     )
 
@@ -374,7 +364,7 @@ def run_hf_cb(
             on_done()
     finally:
         manager.stop(block=True)
-    return TargetRun(timelines=timelines, duration_s=_duration(timelines, start))
+    return TargetRun(timelines=timelines)
 
 
 RUNNERS: dict[str, Callable[[Workload, Path, dict[str, Any], str, OnDone], TargetRun]] = {
