@@ -355,8 +355,8 @@ class Scheduler(IntrospectionMixin):
         """Priority policy: preempt running sequences ranked after the best queued one
         until its first chunk fits (blocks and sequence slots)."""
         seq, from_swapped = self._next_candidate()
-        if seq is None or not self.running:
-            return
+        if seq is None or not self.running or self.running[-1].key < seq.key:
+            return  # nobody running ranks after it: nothing to take room from
         kv = self.kv
         if from_swapped:
             hits = kv.find_swap_hits(seq)
