@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
+from ipc.curve import client_curve_options, endpoint_needs_curve
 from ipc.schema import (
     AttachSwapPool,
     BatchPlan,
@@ -34,6 +35,9 @@ from ipc.schema import (
     control_decoder,
     encode,
 )
+from shared.errors import ConfigError
+from shared.procinfo import host_id, process_start_time
+from shared.server_config import SUPERVISED_ENV
 from shared.swap_pool import SwapPoolSegment
 
 log = logging.getLogger("expeditor.worker")
@@ -43,7 +47,25 @@ SETUP_TIMEOUT_S = 120.0
 
 
 class WorkerDaemon:
-    def __init__(self, rank: int, endpoint: str, device: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        endpoint: str,
+        device: str,
+        *,
+        curve_server_key: str = "",
+        curve_client_key: str = "",
+    ) -> None:
+        keys: dict[str, bytes] = {}
+        if curve_server_key and endpoint_needs_curve(endpoint):
+            # The scheduler serves this endpoint with CURVE (see SchedulerDaemon._bind).
+            if not curve_client_key:
+                raise ConfigError(
+                    f"curve_client_key: the worker endpoint {endpoint} needs CURVE: give this "
+                    "worker a client key whose public key is in curve_authorized_clients",
+                    field="curve_client_key",
+                )
+            keys = client_curve_options(curve_server_key, curve_client_key)
         self.rank = rank
         self.endpoint = endpoint
         self.device = resolve_device(device)
@@ -57,6 +79,10 @@ class WorkerDaemon:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.IDENTITY, f"worker-{rank}-{os.getpid()}".encode())
+        if keys:
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, keys["curve_server_key"])
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, keys["curve_public_key"])
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, keys["curve_secret_key"])
         self.sock.connect(endpoint)
         self.runner: ModelRunner | None = None
         self.pool: SwapPoolSegment | None = None
@@ -84,8 +110,11 @@ class WorkerDaemon:
         return 1
 
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        # Under `expeditor serve`, Ctrl-C is the supervisor's: it stops the scheduler
+        # first (which drains) and the workers after it.
+        supervised = os.environ.get(SUPERVISED_ENV) == "1"
+        signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else self._on_signal)
         try:
             return self._serve()
         finally:
@@ -101,7 +130,16 @@ class WorkerDaemon:
         self.stop = True
 
     def _serve(self) -> int:
-        self._send(WorkerJoin(rank=self.rank, pid=os.getpid(), device=str(self.device)))
+        pid = os.getpid()
+        self._send(
+            WorkerJoin(
+                rank=self.rank,
+                pid=pid,
+                device=str(self.device),
+                host=host_id(),
+                start_time=process_start_time(pid) or 0,
+            )
+        )
         deadline = time.monotonic() + SETUP_TIMEOUT_S
         setup = None
         while setup is None:
@@ -176,6 +214,7 @@ class WorkerDaemon:
             block_size=setup.block_size,
             model=os.path.abspath(model_dir),
             eos_token_ids=self.runner.eos_token_ids,
+            vocab_size=self.runner.vocab_size,
         )
 
     def _attach(self, name: str) -> None:
@@ -186,10 +225,23 @@ class WorkerDaemon:
         self.runner.kv_cache.attach_swap_pool(self.pool)
 
 
-def run_worker(rank: int, endpoint: str, device: str) -> int:
+def run_worker(
+    rank: int,
+    endpoint: str,
+    device: str,
+    *,
+    curve_server_key: str = "",
+    curve_client_key: str = "",
+) -> int:
     try:
-        daemon = WorkerDaemon(rank, endpoint, device)
-    except ValueError as exc:
+        daemon = WorkerDaemon(
+            rank,
+            endpoint,
+            device,
+            curve_server_key=curve_server_key,
+            curve_client_key=curve_client_key,
+        )
+    except ValueError as exc:  # ConfigError included
         log.error("%s", exc)
         return 2
     return daemon.run()

@@ -81,6 +81,7 @@ class LLM:
             self.config,
             eos_token_ids=self.runner.eos_token_ids,
             kv_bytes_per_block=self.runner.layout.bytes_per_block,
+            vocab_size=self.runner.vocab_size,
         )
         self._next_id = 0
         self._logprobs: dict[str, list[dict[int, float]]] = {}

@@ -116,6 +116,11 @@ class ModelRunner:
         self.seqs: dict[str, _RunnerSeq] = {}
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the embedding has rows for."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def num_gpu_blocks(self) -> int:
         return self.kv_cache.num_blocks
 

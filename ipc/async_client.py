@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import itertools
 import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -26,6 +27,7 @@ from ipc.errors import (
     OverloadedError,
     RequestRejectedError,
     ServerError,
+    ServerUnavailableError,
     ShuttingDownError,
     UnknownRequestError,
     WorkerLostError,
@@ -67,6 +69,7 @@ __all__ = [
     "OverloadedError",
     "RequestRejectedError",
     "ServerError",
+    "ServerUnavailableError",
     "ShuttingDownError",
     "UnknownRequestError",
     "WorkerLostError",
@@ -123,8 +126,11 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-_Event = Accepted | Delta | Finished | ErrorReply | ClientClosedError
-"""What the receiver hands a request's queue."""
+_Failure = ClientClosedError | ServerUnavailableError
+"""What fails every waiting call at once (see ``AsyncClient._fail_all``)."""
+
+_Event = Accepted | Delta | Finished | ErrorReply | _Failure
+"""What the receiver (or ``_fail_all``) hands a request's queue."""
 
 _ControlEntry = tuple[int, "asyncio.Future[Any]"]
 """A waiting inspect/health/ping call: (send order, future of its reply)."""
@@ -142,9 +148,11 @@ class AsyncStream:
     Made by :meth:`AsyncClient.stream`; the request is sent on the first iteration (or
     on ``async with``). Iteration ends cleanly after the server's ``Finished``, whose
     :class:`Completion` is then :attr:`completion`; an ``ErrorReply`` raises the
-    matching :class:`~ipc.errors.ServerError`, and the deadline
-    :class:`~ipc.errors.ClientTimeoutError`. ``timeout`` bounds the whole request, from
-    sending to ``Finished``.
+    matching :class:`~ipc.errors.ServerError`, the deadline
+    :class:`~ipc.errors.ClientTimeoutError`, and a server silent for the client's
+    ``server_timeout_s`` :class:`~ipc.errors.ServerUnavailableError` (the request is
+    then aborted on the server without waiting, in case it was only stalled).
+    ``timeout`` bounds the whole request, from sending to ``Finished``.
 
     Leaving early (``break``, an exception, :meth:`aclose`, or dropping the object)
     aborts the request on the server, best effort. ``async with`` makes that explicit::
@@ -277,9 +285,16 @@ class AsyncClient:
 
     ``timeout`` (seconds, ``None`` = forever) is the default for every call: for
     :meth:`generate` and :meth:`stream` it bounds the whole request, for the other calls
-    the wait for their reply. ``ping_interval`` must stay well below the server's
-    ``client_timeout_s``. ``identity`` sets the socket's routing id (default: one
-    chosen by ZeroMQ). The client binds to the event loop of its first call; use it
+    the wait for their reply.
+
+    While any call is waiting (a request, an abort, inspect/health/ping) the client
+    sends ``Ping`` every ``ping_interval`` seconds, which must stay well below the
+    server's ``client_timeout_s``. Every frame from the server is a sign of life; when
+    none came for ``server_timeout_s`` seconds (counted only while calls wait; it must
+    exceed ``ping_interval``) every waiting call raises
+    :class:`~ipc.errors.ServerUnavailableError`, even one with ``timeout=None``. The
+    client stays usable afterwards. ``identity`` sets the socket's routing id (default:
+    one chosen by ZeroMQ). The client binds to the event loop of its first call; use it
     from that loop only. ::
 
         async with AsyncClient("ipc:///run/expeditor/frontend.sock", timeout=30) as client:
@@ -294,6 +309,7 @@ class AsyncClient:
         *,
         timeout: float | None = 60.0,
         ping_interval: float = 1.0,
+        server_timeout_s: float = 5.0,
         identity: bytes | None = None,
         curve_server_key: bytes | None = None,
         curve_public_key: bytes | None = None,
@@ -302,9 +318,13 @@ class AsyncClient:
     ) -> None:
         self.address = address
         self.timeout = _check_timeout(timeout)
-        if not (isinstance(ping_interval, int | float) and 0 < ping_interval < math.inf):
-            raise ValueError(f"ping_interval: must be a positive number, got {ping_interval!r}")
-        self.ping_interval = float(ping_interval)
+        self.ping_interval = _check_seconds("ping_interval", ping_interval)
+        self.server_timeout_s = _check_seconds("server_timeout_s", server_timeout_s)
+        if self.server_timeout_s <= self.ping_interval:
+            raise ValueError(
+                f"server_timeout_s ({server_timeout_s!r}) must be greater than "
+                f"ping_interval ({ping_interval!r})"
+            )
         self._identity = identity
         self._curve = _curve_keys(curve_server_key, curve_public_key, curve_secret_key)
         self._context = context
@@ -313,7 +333,13 @@ class AsyncClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._requests: dict[str, asyncio.Queue[_Event]] = {}
-        self._in_flight = asyncio.Event()
+        self._work = asyncio.Event()
+        """Set when a call starts waiting; wakes the pinger."""
+        self._last_heard = 0.0
+        """Loop time of the last frame from the server, or of the end of the last idle
+        period (nothing waiting), whichever is later."""
+        self._stuck_sends: set[asyncio.Future[None]] = set()
+        """Sends waiting on a full socket; ``_fail_all`` makes them give up."""
         self._abort_waiters: dict[str, deque[asyncio.Future[AbortAck]]] = {}
         self._control_order = itertools.count()
         self._control_waiters: dict[type[Any], deque[_ControlEntry]] = {
@@ -405,6 +431,7 @@ class AsyncClient:
         self._ensure_started()
         seconds = self._timeout(timeout)
         future: asyncio.Future[AbortAck] = asyncio.get_running_loop().create_future()
+        self._start_waiting()
         waiters = self._abort_waiters.setdefault(request_id, deque())
         waiters.append(future)
         try:
@@ -447,7 +474,7 @@ class AsyncClient:
             task.cancel()
         if tasks and self._loop is asyncio.get_running_loop():
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._fail_all("the client was closed")
+        self._fail_all(lambda: ClientClosedError("the client was closed"))
         if self._socket is not None:
             self._socket.close(linger=0)
 
@@ -486,14 +513,29 @@ class AsyncClient:
             raise
         self._socket = socket
         self._loop = loop
+        self._last_heard = loop.time()
         self._tasks = [
             loop.create_task(self._receive_loop(socket), name="expeditor-client-receiver"),
             loop.create_task(self._ping_loop(), name="expeditor-client-pinger"),
         ]
 
     async def _send(self, message: ClientMessage) -> None:
+        """Send one frame. A send held up by a full socket (the server has read nothing
+        for long) gives up, the frame unsent, when :meth:`_fail_all` runs: the caller's
+        call has failed then, which it finds out next."""
         assert self._socket is not None
-        await self._socket.send(encode(message))
+        sent = self._socket.send(encode(message))
+        if not sent.done():
+            given_up = asyncio.get_running_loop().create_future()
+            self._stuck_sends.add(given_up)
+            try:
+                await asyncio.wait((sent, given_up), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._stuck_sends.discard(given_up)
+                if not sent.done():
+                    sent.cancel()
+        if not sent.cancelled():
+            sent.result()
 
     def _send_nowait(self, message: ClientMessage) -> None:
         """Best-effort send that never waits (pings, aborts of abandoned requests)."""
@@ -508,17 +550,35 @@ class AsyncClient:
                 "duplicate", f"request id {request_id!r} is already in flight here", request_id
             )
         queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._start_waiting()
         self._requests[request_id] = queue
-        self._in_flight.set()
         return queue
+
+    def _start_waiting(self) -> None:
+        """Note that a call is about to wait for the server (call it before registering
+        the call). After an idle period the silence clock restarts: time with nothing
+        waiting is no sign of a dead server."""
+        assert self._loop is not None
+        if not self._waiting():
+            self._last_heard = self._loop.time()
+        self._work.set()
+
+    def _waiting(self) -> bool:
+        """Whether any call waits for the server: a request, an abort, a control call."""
+        return bool(self._requests) or any(not future.done() for future in self._futures())
+
+    def _futures(self) -> Iterator[asyncio.Future[Any]]:
+        """The futures of abort and control calls (done ones included)."""
+        for abort_waiters in self._abort_waiters.values():
+            yield from abort_waiters
+        for control_waiters in self._control_waiters.values():
+            yield from (future for _, future in control_waiters)
 
     def _forget(self, request_id: str, queue: asyncio.Queue[_Event], *, abort: bool) -> None:
         """Stop routing replies to ``queue``; with ``abort``, ask the server to drop it."""
         if self._requests.get(request_id) is not queue:
             return  # already failed by close(), or the id was reused after this one
         del self._requests[request_id]
-        if not self._requests:
-            self._in_flight.clear()
         if abort:
             self._send_nowait(Abort(request_id=request_id))
 
@@ -540,6 +600,7 @@ class AsyncClient:
         seconds = self._timeout(timeout)
         future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
         entry = (next(self._control_order), future)
+        self._start_waiting()
         waiters = self._control_waiters[reply_type]
         waiters.append(entry)
         try:
@@ -556,6 +617,7 @@ class AsyncClient:
         try:
             while True:
                 frames = await socket.recv_multipart()
+                self._last_heard = asyncio.get_running_loop().time()  # any frame: alive
                 try:
                     message = server_decoder.decode(frames[-1])
                 except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -569,7 +631,8 @@ class AsyncClient:
                 return
             logger.exception("receiving from %s failed", self.address)
             self._closed = True
-            self._fail_all(f"receiving from the server failed: {error!r}")
+            reason = f"receiving from the server failed: {error!r}"
+            self._fail_all(lambda: ClientClosedError(reason))
             for task in self._tasks:
                 if task is not asyncio.current_task():
                     task.cancel()
@@ -623,25 +686,44 @@ class AsyncClient:
             queue.put_nowait(event)
 
     async def _ping_loop(self) -> None:
+        """While any call waits, send ``Ping`` every ``ping_interval``; once nothing was
+        heard from the server for ``server_timeout_s``, fail every waiting call with
+        :class:`~ipc.errors.ServerUnavailableError` and abort its requests (best effort,
+        never waiting: the frames wait in the socket for a server that comes back).
+        Sleeps while nothing waits."""
+        loop = asyncio.get_running_loop()
+        next_ping = loop.time() + self.ping_interval
         while True:
-            await self._in_flight.wait()
-            await asyncio.sleep(self.ping_interval)
-            if self._requests:
+            if not self._waiting():
+                self._work.clear()
+                await self._work.wait()
+                next_ping = loop.time() + self.ping_interval
+                continue
+            now = loop.time()
+            silent_s = now - self._last_heard
+            if silent_s >= self.server_timeout_s:
+                logger.warning("no answer from %s for %.1f s", self.address, silent_s)
+                abandoned = list(self._requests)
+                self._fail_all(functools.partial(ServerUnavailableError, self.address, silent_s))
+                for request_id in abandoned:  # in case the server was only stalled
+                    self._send_nowait(Abort(request_id=request_id))
+                continue
+            if now >= next_ping:
                 self._send_nowait(Ping())
+                next_ping = now + self.ping_interval
+            await asyncio.sleep(min(next_ping, self._last_heard + self.server_timeout_s) - now)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, failure: Callable[[], _Failure]) -> None:
+        """Fail every waiting call, each with its own ``failure()``."""
         requests, self._requests = self._requests, {}
-        self._in_flight.clear()
         for queue in requests.values():
-            queue.put_nowait(ClientClosedError(reason))
-        for abort_waiters in self._abort_waiters.values():
-            for future in abort_waiters:
-                if not future.done():
-                    future.set_exception(ClientClosedError(reason))
-        for control_waiters in self._control_waiters.values():
-            for _, future in control_waiters:
-                if not future.done():
-                    future.set_exception(ClientClosedError(reason))
+            queue.put_nowait(failure())
+        for future in list(self._futures()):
+            if not future.done():
+                future.set_exception(failure())
+        for given_up in self._stuck_sends:
+            if not given_up.done():
+                given_up.set_result(None)
 
 
 def _generate_message(
@@ -680,6 +762,13 @@ def _generate_message(
         priority=priority,
         stream=stream,
     )
+
+
+def _check_seconds(name: str, value: float) -> float:
+    """``value`` as float seconds: a positive finite number, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def _check_timeout(timeout: float | None) -> float | None:

@@ -3,9 +3,13 @@
 Both speak the client half of :mod:`ipc.schema` over one DEALER socket connected to the
 scheduler's ROUTER. Every frame is a single msgpack-encoded message. Many requests run
 concurrently on one client: a background receiver routes each reply by request id, and
-a background pinger sends ``Ping`` every ``ping_interval`` seconds while any request is
-in flight (a client silent for the server's ``client_timeout_s`` is taken as gone and
-its requests are aborted).
+a background pinger sends ``Ping`` every ``ping_interval`` seconds while any call is
+waiting (a request, an abort, inspect/health/ping). Liveness is checked both ways: a
+client silent for the server's ``client_timeout_s`` is taken as gone and its requests
+are aborted, and a server from which nothing (not even a ``Pong``) came for the client's
+``server_timeout_s`` while calls waited is taken as gone: every waiting call raises
+:class:`~ipc.errors.ServerUnavailableError`, whatever its own timeout. The client stays
+usable; ZeroMQ reconnects by itself when the server is back.
 
 Asynchronous use::
 
@@ -57,9 +61,12 @@ from ipc.errors import (
     BadRequestError,
     ClientClosedError,
     ClientTimeoutError,
+    InternalServerError,
     OverloadedError,
+    QuarantinedError,
     RequestRejectedError,
     ServerError,
+    ServerUnavailableError,
     ShuttingDownError,
     UnknownRequestError,
     WorkerLostError,
@@ -76,9 +83,12 @@ __all__ = [
     "ClientClosedError",
     "ClientTimeoutError",
     "Completion",
+    "InternalServerError",
     "OverloadedError",
+    "QuarantinedError",
     "RequestRejectedError",
     "ServerError",
+    "ServerUnavailableError",
     "ShuttingDownError",
     "Stream",
     "UnknownRequestError",
@@ -143,9 +153,10 @@ class Client:
     """Synchronous client (a ``with`` context manager) with the API of :class:`AsyncClient`.
 
     It runs a private event loop in a daemon thread and delegates every call to an
-    :class:`AsyncClient` there, so pings continue while a call blocks and the semantics
-    are the same. Calls may come from any thread; Ctrl-C during a call cancels it (and
-    aborts its request on the server). ::
+    :class:`AsyncClient` there (the arguments are its own), so pings and the check on
+    the server's liveness continue while a call blocks and the semantics are the same.
+    Calls may come from any thread; Ctrl-C during a call cancels it (and aborts its
+    request on the server). ::
 
         with Client("ipc:///run/expeditor/frontend.sock") as client:
             completion = client.generate("Hello", max_tokens=16, temperature=0)
@@ -159,6 +170,7 @@ class Client:
         *,
         timeout: float | None = 60.0,
         ping_interval: float = 1.0,
+        server_timeout_s: float = 5.0,
         identity: bytes | None = None,
         curve_server_key: bytes | None = None,
         curve_public_key: bytes | None = None,
@@ -168,6 +180,7 @@ class Client:
             address,
             timeout=timeout,
             ping_interval=ping_interval,
+            server_timeout_s=server_timeout_s,
             identity=identity,
             curve_server_key=curve_server_key,
             curve_public_key=curve_public_key,

@@ -12,9 +12,11 @@ code, so callers can catch what they can act on::
         print(error.code, error.message, error.request_id)
 
 Failures on the client's side of the socket are :class:`ClientTimeoutError` (no answer
-in time; a ``TimeoutError``) and :class:`ClientClosedError` (the client was closed
-while the call waited). Bad arguments caught before anything is sent raise
-``ValueError`` or :class:`shared.errors.InvalidRequestError`.
+in time; a ``TimeoutError``), :class:`ServerUnavailableError` (nothing at all heard from
+the server for the client's ``server_timeout_s``; a ``ConnectionError``) and
+:class:`ClientClosedError` (the client was closed while the call waited). Bad
+arguments caught before anything is sent raise ``ValueError`` or
+:class:`shared.errors.InvalidRequestError`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ __all__ = [
     "BadRequestError",
     "ClientClosedError",
     "ClientTimeoutError",
+    "InternalServerError",
     "OverloadedError",
+    "QuarantinedError",
     "RequestRejectedError",
     "ServerError",
+    "ServerUnavailableError",
     "ShuttingDownError",
     "UnknownRequestError",
     "WorkerLostError",
@@ -55,13 +60,14 @@ class ServerError(Exception):
 
 
 class BadRequestError(ServerError):
-    """``bad_request`` (malformed frame, wrong types, invalid parameters) or
-    ``duplicate`` (the request id is already in use)."""
+    """``bad_request`` (malformed frame, wrong types, invalid parameters, a text prompt
+    beyond the server's ``max_prompt_bytes``, token ids outside the model's vocabulary)
+    or ``duplicate`` (the request id is already in use)."""
 
 
 class UnknownRequestError(ServerError):
-    """``unknown_request``: the server holds no request with that id (e.g. an Abort for
-    a request that finished and was forgotten, or never existed)."""
+    """``unknown_request``: this client has no request with that id (an Abort of a
+    request that never existed, was forgotten long ago, or belongs to another client)."""
 
 
 class RequestRejectedError(ServerError):
@@ -78,7 +84,18 @@ class WorkerLostError(ServerError):
 
 
 class ShuttingDownError(ServerError):
-    """``shutting_down``: the scheduler is stopping and takes no new work."""
+    """``shutting_down``: the scheduler is stopping and takes no new work, or it stopped
+    (past its ``shutdown_timeout_s``) before this request finished."""
+
+
+class QuarantinedError(ServerError):
+    """``quarantined``: workers died in two steps that ran this request, so the server
+    will not run it again (other requests go on). Retrying it will likely fail again."""
+
+
+class InternalServerError(ServerError):
+    """``internal``: a server bug while handling the message (logged there); the server
+    keeps serving."""
 
 
 _ERRORS_BY_CODE: dict[str, type[ServerError]] = {
@@ -89,6 +106,8 @@ _ERRORS_BY_CODE: dict[str, type[ServerError]] = {
     "overloaded": OverloadedError,
     "worker_lost": WorkerLostError,
     "shutting_down": ShuttingDownError,
+    "quarantined": QuarantinedError,
+    "internal": InternalServerError,
 }
 
 
@@ -120,3 +139,24 @@ class ClientTimeoutError(TimeoutError):
 class ClientClosedError(RuntimeError):
     """The client was closed (or its socket failed) while the call was waiting, or a
     call was made on a closed client."""
+
+
+class ServerUnavailableError(ConnectionError):
+    """Nothing at all came from the server for ``silent_s`` seconds while calls were
+    waiting (not even a ``Pong`` to the client's pings): it is taken as gone, and every
+    waiting call fails with this, whatever its own timeout.
+
+    ``address`` is the server's address. The client stays usable: a later call succeeds
+    once the server is back (ZeroMQ reconnects by itself). A request that failed this
+    way may still have run on the server if it was only slow.
+    """
+
+    def __init__(self, address: str, silent_s: float) -> None:
+        super().__init__(
+            f"no answer from the server at {address} for {silent_s:.3g} s; is it running?"
+        )
+        self.address = address
+        self.silent_s = silent_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.address, self.silent_s))

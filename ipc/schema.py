@@ -155,6 +155,8 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     model: str
     eos_token_ids: list[int] = []
     """Every token id that ends generation (a model may list several)."""
+    vocab_size: int = 0
+    """Rows of the model's embedding: prompt token ids must be below it (0 = unknown)."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,6 +216,12 @@ class WorkerJoin(msgspec.Struct, frozen=True, kw_only=True, tag="join", tag_fiel
     rank: int
     pid: int
     device: str
+    host: str = ""
+    """:func:`shared.procinfo.host_id` of the worker: when it equals the scheduler's, the
+    scheduler watches ``pid`` and sees the worker die at once (not at its heartbeat
+    timeout)."""
+    start_time: int = 0
+    """The worker process's start time (:func:`shared.procinfo.process_start_time`)."""
 
 
 class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_field="type"):
@@ -332,10 +340,12 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished", tag_fi
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
     """A request or frame the server refused, or a request it could not finish.
 
-    Codes: ``bad_request`` (malformed frame, wrong types, invalid params),
-    ``duplicate`` (request id in use), ``unknown_request``, ``rejected`` (can never
-    fit), ``overloaded`` (waiting queue full), ``worker_lost`` (no worker to finish
-    it), ``shutting_down``.
+    Codes: ``bad_request`` (malformed frame, wrong types, invalid params, a prompt too
+    large or with token ids outside the vocabulary), ``duplicate`` (request id in use),
+    ``unknown_request`` (no such request of this client), ``rejected`` (can never fit),
+    ``overloaded`` (waiting queue full), ``worker_lost`` (no worker to finish it),
+    ``quarantined`` (steps holding this request made workers fail twice: it is not
+    retried), ``shutting_down``, ``internal`` (a server bug; the server keeps serving).
     """
 
     request_id: str | None
@@ -356,7 +366,8 @@ class HealthStatus(
     msgspec.Struct, frozen=True, kw_only=True, tag="health_status", tag_field="type"
 ):
     status: str
-    """``ok`` (serving), ``starting`` (no worker yet), ``degraded`` (a worker was lost)."""
+    """``ok`` (serving), ``starting`` (no worker yet), ``degraded`` (a worker was lost),
+    ``draining`` (stopping: requests in flight finish, new ones are refused)."""
     workers_ready: int
     workers_expected: int
     step: int

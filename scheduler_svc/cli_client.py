@@ -26,13 +26,45 @@ Address = Annotated[
     ),
 ]
 Timeout = Annotated[float, typer.Option(help="Seconds to wait for the server.")]
+CurveServerKey = Annotated[
+    str,
+    typer.Option(
+        "--curve-server-key",
+        envvar="EXPEDITOR_CURVE_SERVER_KEY",
+        metavar="FILE",
+        help="The server's certificate (its NAME.key) when it uses CURVE.",
+    ),
+]
+CurveClientKey = Annotated[
+    str,
+    typer.Option(
+        "--curve-client-key",
+        envvar="EXPEDITOR_CURVE_CLIENT_KEY",
+        metavar="FILE",
+        help="This client's secret certificate (NAME.key_secret from `expeditor keygen`); "
+        "its public key must be in the server's curve_authorized_clients.",
+    ),
+]
 
 
-def _check_address(address: str) -> None:
+def _client_options(address: str, server_key: str, client_key: str) -> dict[str, bytes]:
+    """Check the address; the CURVE keyword arguments for the client (none without keys)."""
+    from ipc.curve import client_curve_options
+
     if not address:
         fail("--address is required (or set EXPEDITOR_ADDRESS)")
+    if bool(server_key) != bool(client_key):
+        fail("give --curve-server-key and --curve-client-key together (or neither)")
     try:
-        check_endpoint("--address", address)
+        # Loopback tcp:// without keys is let through: the server may run insecure_tcp.
+        check_endpoint(
+            "--address",
+            address,
+            curve=bool(server_key),
+            insecure_tcp=True,
+            curve_hint="give --curve-server-key and --curve-client-key",
+        )
+        return client_curve_options(server_key, client_key) if server_key else {}
     except ConfigError as exc:
         fail(str(exc))
 
@@ -55,12 +87,14 @@ def generate(
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it comes.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     timeout: Timeout = 300.0,
+    curve_server_key: CurveServerKey = "",
+    curve_client_key: CurveClientKey = "",
 ) -> None:
     """Send one request and print its completion."""
     from ipc.client import Client
     from ipc.errors import ClientTimeoutError, ServerError
 
-    _check_address(address)
+    curve = _client_options(address, curve_server_key, curve_client_key)
     if (prompt is None) == (token_ids is None):
         fail("give a prompt or --token-ids (exactly one)")
     ids = None
@@ -79,7 +113,7 @@ def generate(
         "stop": tuple(stop or ()),
     }
     try:
-        with Client(address, timeout=timeout) as client:
+        with Client(address, timeout=timeout, **curve) as client:
             if stream:
                 events = client.stream(prompt, prompt_token_ids=ids, priority=priority, **sampling)
                 for delta in events:
@@ -195,16 +229,18 @@ def inspect(
         float | None, typer.Option(help="Refresh every this many seconds until Ctrl-C.")
     ] = None,
     timeout: Timeout = 10.0,
+    curve_server_key: CurveServerKey = "",
+    curve_client_key: CurveClientKey = "",
 ) -> None:
     """Show a live server's state: queues, requests, block usage, prefix cache, workers."""
     from ipc.client import Client
     from ipc.errors import ClientTimeoutError, ServerError
 
-    _check_address(address)
+    curve = _client_options(address, curve_server_key, curve_client_key)
     if watch is not None and watch <= 0:
         fail("--watch must be a positive number of seconds")
     try:
-        with Client(address, timeout=timeout) as client:
+        with Client(address, timeout=timeout, **curve) as client:
             if watch is None:
                 reply = client.inspect()
                 if json_output:

@@ -1,4 +1,5 @@
-"""``expeditor serve``, ``scheduler`` and ``worker``: the daemons."""
+"""``expeditor serve``, ``scheduler`` and ``worker``: the daemons; ``keygen`` makes their
+CURVE keys."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from scheduler_svc.cli import app, fail, resolve_config
 from scheduler_svc.cli_options import with_config_options, with_server_options
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
+from shared.swap_pool import SHM_DIR, remove_stale_segments
 
 ConfigFile = Annotated[
     Path | None, typer.Option("--config", help="TOML file with [server] and [scheduler] tables.")
@@ -56,11 +58,18 @@ def serve(
     Without --frontend the sockets live in a new private (0700) runtime directory.
     """
     _logging(verbose)
+    from ipc.curve import check_serve_keys
     from scheduler_svc.supervisor import run_serve
 
-    raise typer.Exit(
-        run_serve(_server(config, server_overrides), resolve_config(config, config_overrides))
-    )
+    server = _server(config, server_overrides)
+    if server.curve:
+        try:
+            check_serve_keys(
+                server.curve_server_key, server.curve_client_key, server.curve_authorized_clients
+            )
+        except ConfigError as exc:
+            fail(str(exc))
+    raise typer.Exit(run_serve(server, resolve_config(config, config_overrides)))
 
 
 @app.command()
@@ -88,7 +97,16 @@ def scheduler(
 
 
 @app.command()
-@with_server_options(("worker_endpoint", "device"))
+@with_server_options(
+    (
+        "worker_endpoint",
+        "device",
+        "curve_server_key",
+        "curve_client_key",
+        "curve_authorized_clients",
+        "insecure_tcp",
+    )
+)
 def worker(
     rank: Annotated[int, typer.Option(help="This worker's rank (0..workers-1).")] = 0,
     config: ConfigFile = None,
@@ -105,4 +123,54 @@ def worker(
         fail(f"--rank must be >= 0, got {rank}")
     from gpu_worker.daemon import run_worker
 
-    raise typer.Exit(run_worker(rank, server.worker_endpoint, server.device))
+    raise typer.Exit(
+        run_worker(
+            rank,
+            server.worker_endpoint,
+            server.device,
+            curve_server_key=server.curve_server_key,
+            curve_client_key=server.curve_client_key,
+        )
+    )
+
+
+@app.command()
+def keygen(
+    directory: Annotated[
+        Path, typer.Argument(help="Where to write the certificate files (created 0700).")
+    ],
+    name: Annotated[
+        str, typer.Option(help="Writes NAME.key (public) and NAME.key_secret (secret, 0600).")
+    ] = "server",
+) -> None:
+    """Make a CURVE key pair (zmq certificate files) for the server, a worker or a client.
+
+    Give the server NAME.key_secret as curve_server_key and its clients NAME.key; put each
+    client's NAME.key into the server's curve_authorized_clients directory. Existing
+    files are never overwritten.
+    """
+    from ipc.curve import create_key_pair
+
+    try:
+        public_file, secret_file = create_key_pair(directory, name)
+    except ConfigError as exc:
+        fail(str(exc))
+    print(f"public key: {public_file}")
+    print(f"secret key: {secret_file}")
+
+
+@app.command("cleanup-shm")
+def cleanup_shm(
+    shm_dir: Annotated[Path, typer.Option(help="Where POSIX shared memory lives.")] = SHM_DIR,
+) -> None:
+    """Remove swap-pool segments left in /dev/shm by schedulers that died without
+    cleaning up (SIGKILL, the OOM killer); print each one removed and the total.
+
+    Only this user's segments whose owning process is gone are touched; safe to run at
+    any time (the scheduler unit runs it as ExecStopPost=).
+    """
+    removed = remove_stale_segments(shm_dir)
+    for segment in removed:
+        print(f"removed {segment.name} ({segment.size} bytes)")
+    total = sum(segment.size for segment in removed)
+    print(f"removed {len(removed)} stale swap segment(s), {total} bytes")

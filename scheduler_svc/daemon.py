@@ -24,6 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from ipc.curve import CurveServer, endpoint_needs_curve
 from ipc.schema import (
     AttachSwapPool,
     Generate,
@@ -40,14 +41,14 @@ from ipc.schema import (
 )
 from scheduler_svc.detokenizer import load_tokenizer
 from scheduler_svc.frontend import FrontendMixin
-from scheduler_svc.outputs import OutputProcessor, StepEvents
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
 from scheduler_svc.scheduler import Scheduler, UpdateOutcome
 from scheduler_svc.workers import WorkerHandle, WorkerRegistry
 from shared import sdnotify
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
-from shared.server_config import ServerConfig
-from shared.swap_pool import SwapPoolSegment
+from shared.server_config import SUPERVISED_ENV, ServerConfig
+from shared.swap_pool import SwapPoolSegment, remove_stale_segments
 
 log = logging.getLogger("expeditor.scheduler")
 
@@ -77,37 +78,78 @@ class SchedulerDaemon(FrontendMixin):
     def __init__(self, server: ServerConfig, config: SchedulerConfig) -> None:
         if not server.frontend or not server.worker_endpoint:
             raise ConfigError("the scheduler needs frontend and worker_endpoint addresses")
+        remove_stale_segments()  # swap segments of schedulers that died uncleanly (logged)
         self.server = server
         self.config = config
+        # Whatever umask the daemon was started with (000 included), the files it makes
+        # (socket files, their directories, the swap segment) are for its own user only:
+        # a client that can open the frontend socket can submit, inspect and abort.
+        os.umask(0o077)
         self.ctx = zmq.asyncio.Context()
-        self.frontend = self._bind(server.frontend)
-        self.backend = self._bind(server.worker_endpoint)
+        # The ZAP handler runs before any bind: a CURVE handshake without one is admitted.
+        self.curve = (
+            CurveServer(self.ctx, server.curve_server_key, server.curve_authorized_clients)
+            if server.curve
+            else None
+        )
+        # A client frame above max_frame_bytes never reaches the decoder: ZeroMQ drops
+        # the connection that sent it.
+        self.frontend = self._bind(
+            server.frontend, curve=server.curve, max_frame_bytes=server.max_frame_bytes
+        )
+        self.backend = self._bind(
+            server.worker_endpoint,
+            curve=server.curve and endpoint_needs_curve(server.worker_endpoint),
+        )
+        if server.insecure_tcp and not server.curve:
+            for address in (server.frontend, server.worker_endpoint):
+                if address.startswith("tcp://"):
+                    log.warning(
+                        "insecure_tcp: %s has no authentication: ANY local user can submit, "
+                        "inspect and abort requests",
+                        address,
+                    )
         self.registry = WorkerRegistry(server.workers, server.worker_timeout_s)
         self.core: Scheduler | None = None
         self.outputs = OutputProcessor(None, self._send, self._stop_seq)
         self.model = server.model
         self.swap_pool: SwapPoolSegment | None = None
-        self.backlog: list[tuple[bytes, Generate]] = []
+        self.backlog: list[tuple[ClientRequest, Generate]] = []
+        """Requests that arrived before the first worker registered (no tokenizer yet)."""
+        self.tokenizing: set[asyncio.Task[None]] = set()
         self.clients: dict[bytes, float] = {}
         self.events: asyncio.Queue[StepEvents | tuple[str, str, str, str]] = asyncio.Queue()
         self.wake = asyncio.Event()
         self.stop_event = asyncio.Event()
+        self.signals = 0
+        self.drain_cut = asyncio.Event()
         self.inflight: _Inflight | None = None
         self.started = time.monotonic()
         self.loop_alive = self.started
         self.short_since: float | None = self.started
         self.stopping = False
 
-    def _bind(self, address: str) -> zmq.asyncio.Socket:
+    def _bind(self, address: str, *, curve: bool, max_frame_bytes: int = -1) -> zmq.asyncio.Socket:
+        """A ROUTER bound to ``address``; a CURVE server if ``curve``. An ipc:// socket
+        file is owner-only (0600), in a directory created 0700 if missing."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        if address.startswith("ipc://"):
-            Path(address[len("ipc://") :]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if curve:
+            assert self.curve is not None
+            self.curve.secure(sock)
+        path = Path(address[len("ipc://") :]) if address.startswith("ipc://") else None
+        if path is not None and str(path).startswith("@"):
+            path = None  # abstract namespace: no file
         try:
+            if path is not None:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             sock.bind(address)
-        except zmq.ZMQError as exc:
+            if path is not None:
+                path.chmod(0o600)
+        except (OSError, zmq.ZMQError) as exc:
             sock.close()
             raise ConfigError(f"cannot bind {address}: {exc}") from None
         return sock
@@ -121,8 +163,13 @@ class SchedulerDaemon(FrontendMixin):
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop_event.set)
+        # Under `expeditor serve` a terminal's Ctrl-C reaches every process of the group:
+        # the supervisor turns it into an ordered SIGTERM, so the scheduler ignores it.
+        supervised = os.environ.get(SUPERVISED_ENV) == "1"
+        for sig in (signal.SIGTERM,) if supervised else (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+        if supervised:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         tasks = [
             asyncio.create_task(coro, name=name)
             for name, coro in (
@@ -137,6 +184,8 @@ class SchedulerDaemon(FrontendMixin):
         sdnotify.ready(f"serving on {self.server.frontend}")
         stop = asyncio.create_task(self.stop_event.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if stop in done:
+            done = await self._drain(tasks)
         failed = [t for t in done if t is not stop and t.exception() is not None]
         await self._shutdown(tasks)
         if failed:
@@ -145,19 +194,54 @@ class SchedulerDaemon(FrontendMixin):
             return 1
         return 0
 
+    def _on_signal(self) -> None:
+        """The first SIGTERM starts a drain; a second one ends it at once."""
+        self.signals += 1
+        self.stop_event.set()
+        if self.signals > 1:
+            self.drain_cut.set()
+
+    async def _drain(self, tasks: list[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
+        """Refuse new requests (``shutting_down``) and let those in flight finish, for up
+        to ``shutdown_timeout_s``; returns the tasks that ended meanwhile (failed ones)."""
+        self.stopping = True
+        sdnotify.stopping()
+        timeout = self.server.shutdown_timeout_s
+        log.info("draining: %d requests in flight, up to %g s", len(self.outputs.requests), timeout)
+        deadline = time.monotonic() + timeout
+        while self.outputs.requests and not self.drain_cut.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, _ = await asyncio.wait(tasks, timeout=min(left, 0.05))
+            if done:
+                return done
+        return set()
+
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
         self.stopping = True
         sdnotify.stopping()
+        while not self.events.empty():  # what the output task had not sent yet
+            self._output(self.events.get_nowait())
+        if self.outputs.requests:
+            log.warning("stopping with %d requests unfinished", len(self.outputs.requests))
         for request_id in list(self.outputs.requests):
-            self.outputs.fail(request_id, "shutting_down", "the server is shutting down")
+            self.outputs.fail(
+                request_id,
+                "shutting_down",
+                "the server stopped before this request finished "
+                f"(shutdown_timeout_s={self.server.shutdown_timeout_s:g})",
+            )
         for handle in list(self.registry.workers.values()):
             self._send_worker(handle, Shutdown())
         await asyncio.sleep(0.05)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.frontend.close(linger=0)
+        self.frontend.close(linger=1000)  # let the last replies out
         self.backend.close(linger=0)
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
         if self.swap_pool is not None:
             self.swap_pool.close()
@@ -194,11 +278,13 @@ class SchedulerDaemon(FrontendMixin):
 
     def _on_join(self, identity: bytes, join: WorkerJoin) -> None:
         try:
-            handle = self.registry.join(identity, join, time.monotonic())
+            handle, replaced = self.registry.join(identity, join, time.monotonic())
         except ValueError as exc:
             log.error("refusing worker pid %d: %s", join.pid, exc)
             self.backend.send_multipart([identity, encode(Shutdown())])
             return
+        if replaced is not None:
+            self._on_lost(replaced)
         log.info("worker rank %d (pid %d, %s) joined", join.rank, join.pid, join.device)
         blocks = self.core.config.num_gpu_blocks if self.core else self.config.num_gpu_blocks
         self._send_worker(
@@ -227,6 +313,8 @@ class SchedulerDaemon(FrontendMixin):
                 return self._reject_worker(handle, f"only {hello.num_gpu_blocks} KV blocks")
             if hello.kv_bytes_per_block != self.core.cost_model.kv_bytes_per_block:
                 return self._reject_worker(handle, "a different KV block size in bytes")
+            if (hello.vocab_size or None) != self.core.vocab_size:
+                return self._reject_worker(handle, f"a vocabulary of {hello.vocab_size}")
         if self.swap_pool is not None and handle.hello is None:
             self._send_worker(handle, AttachSwapPool(name=self.swap_pool.name))
         self.registry.mark_ready(handle, hello)
@@ -251,11 +339,14 @@ class SchedulerDaemon(FrontendMixin):
             self.swap_pool = SwapPoolSegment.create(config.num_cpu_blocks, hello.kv_bytes_per_block)
         self.outputs.tokenizer = load_tokenizer(hello.model)
         self.core = Scheduler(
-            config, eos_token_ids=hello.eos_token_ids, kv_bytes_per_block=hello.kv_bytes_per_block
+            config,
+            eos_token_ids=hello.eos_token_ids,
+            kv_bytes_per_block=hello.kv_bytes_per_block,
+            vocab_size=hello.vocab_size or None,
         )
         backlog, self.backlog = self.backlog, []
-        for identity, msg in backlog:
-            self._submit(identity, msg)
+        for request, msg in backlog:
+            self._submit(request, msg)
 
     def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
         inflight = self.inflight
@@ -334,16 +425,27 @@ class SchedulerDaemon(FrontendMixin):
                 )
             except TimeoutError:
                 self._kill_hung(inflight)
-                self.inflight = None
-                core.on_worker_lost()
+                self._step_failed(core)
                 continue
             except WorkerLostError:
-                self.inflight = None
-                core.on_worker_lost()
+                self._step_failed(core)
                 continue
             self.inflight = None
             outcome = core.update(result)
             self.events.put_nowait(self._capture(plan.new_seqs, outcome))
+
+    def _step_failed(self, core: Scheduler) -> None:
+        """A worker died (or hung) inside the step in flight: re-queue its requests, and
+        fail those already in a step that failed before (quarantined)."""
+        self.inflight = None
+        for request in core.on_worker_lost():
+            log.error("request %s quarantined: workers died running it", request.request_id)
+            self._end_request(
+                request.request_id,
+                "quarantined",
+                f"workers failed in {request.num_failed_steps} steps that ran this request; "
+                "it is not retried",
+            )
 
     def _capture(self, new_seqs: list[NewSeq], outcome: UpdateOutcome) -> StepEvents:
         return StepEvents(
@@ -363,13 +465,15 @@ class SchedulerDaemon(FrontendMixin):
 
     async def _output_loop(self) -> None:
         while True:
-            item = await self.events.get()
-            if isinstance(item, StepEvents):
-                self.outputs.on_step(item)
-            elif item[0] == "finish":
-                self.outputs.finish(item[1], item[2])
-            else:
-                self.outputs.fail(item[1], item[2], item[3])
+            self._output(await self.events.get())
+
+    def _output(self, item: StepEvents | tuple[str, str, str, str]) -> None:
+        if isinstance(item, StepEvents):
+            self.outputs.on_step(item)
+        elif item[0] == "finish":
+            self.outputs.finish(item[1], item[2])
+        else:
+            self.outputs.fail(item[1], item[2], item[3])
 
     # -- housekeeping --------------------------------------------------------------------
 

@@ -1,10 +1,23 @@
 """The scheduler daemon's client side: decoding client frames, admitting and aborting
 requests, answering inspect and health. A mixin of :class:`SchedulerDaemon`; every
-reply goes out through its non-blocking ``_send``."""
+reply goes out through its non-blocking ``_send``.
+
+Nothing a client sends can stop this loop: frames above ``max_frame_bytes`` never
+arrive (ZeroMQ disconnects their sender), every other frame is decoded under a
+catch-all that answers ``bad_request``, and a failure while handling a decoded message
+is logged and answered ``internal``. Text prompts beyond ``max_prompt_bytes`` are
+refused before tokenizing; long ones are tokenized on a thread, off the event loop.
+
+Each request belongs to the client that sent it: its CURVE public key when the socket
+authenticates clients (the ZAP ``User-Id``), else its connection. Only the owner may
+abort it, and fair-share admission counts requests per owner.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -17,6 +30,7 @@ from ipc.schema import (
     Abort,
     AbortAck,
     Accepted,
+    ClientMessage,
     ErrorReply,
     Generate,
     Health,
@@ -47,6 +61,37 @@ REJECT_CODES = {
     "overloaded": "overloaded",
 }
 
+INLINE_TOKENIZE_CHARS = 16_384
+"""Text prompts up to this many characters are tokenized on the event loop (fast); longer
+ones on a thread, so a big prompt never delays other clients' steps."""
+
+_libc_name = ctypes.util.find_library("c")
+_LIBC = ctypes.CDLL(_libc_name) if _libc_name else None
+if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):  # not glibc
+    _LIBC = None
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap back to the OS (glibc keeps a big tokenization's pages otherwise)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc) or type(exc).__name__
+
+
+def frame_owner(frame: zmq.Frame, identity: bytes) -> bytes:
+    """Who sent ``frame``: ``key:<Z85 public key>`` when the socket authenticates with
+    CURVE, else the connection's routing id."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler on this socket
+        return identity
+    return b"key:" + user_id.encode() if user_id else identity
+
 
 class FrontendMixin:
     server: ServerConfig
@@ -56,12 +101,13 @@ class FrontendMixin:
     outputs: OutputProcessor
     registry: WorkerRegistry
     model: str
-    backlog: list[tuple[bytes, Generate]]
+    backlog: list[tuple[ClientRequest, Generate]]
     clients: dict[bytes, float]
     events: asyncio.Queue[StepEvents | tuple[str, str, str, str]]
     wake: asyncio.Event
     started: float
     stopping: bool
+    tokenizing: set[asyncio.Task[None]]
 
     def _send(self, identity: bytes, message: ServerMessage) -> None:
         """Never blocks: a client that cannot take more loses the message (logged)."""
@@ -72,44 +118,40 @@ class FrontendMixin:
 
     async def _frontend_loop(self) -> None:
         while True:
-            frames = await self.frontend.recv_multipart()
-            identity = frames[0]
+            frames = await self.frontend.recv_multipart(copy=False)
+            identity = frames[0].bytes
             self.clients[identity] = time.monotonic()
             if len(frames) != 2:
-                self._send(
-                    identity,
-                    ErrorReply(
-                        request_id=None,
-                        code="bad_request",
-                        message="expected one frame per message",
-                    ),
-                )
+                self._refuse(identity, None, "bad_request", "expected one frame per message")
                 continue
             try:
-                message = client_decoder.decode(frames[1])
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._send(
-                    identity,
-                    ErrorReply(
-                        request_id=None, code="bad_request", message=f"malformed message: {exc}"
-                    ),
-                )
+                message = client_decoder.decode(frames[1].buffer)
+            except Exception as exc:  # any bytes at all: DecodeError, RecursionError...
+                self._refuse(identity, None, "bad_request", f"malformed message: {_describe(exc)}")
                 continue
-            if isinstance(message, Generate):
-                self._generate(identity, message)
-            elif isinstance(message, Abort):
-                self._abort(identity, message.request_id)
-            elif isinstance(message, Inspect):
-                self._send(identity, self._inspect())
-            elif isinstance(message, Health):
-                self._send(identity, self._health())
-            elif isinstance(message, Ping):
-                self._send(identity, Pong())
+            try:
+                self._dispatch(identity, frame_owner(frames[1], identity), message)
+            except Exception:  # a bug in one handler must not take the server down
+                log.exception("handling a %s failed", type(message).__name__)
+                request_id = getattr(message, "request_id", None)
+                self._refuse(identity, request_id, "internal", "the server failed to handle this")
+
+    def _dispatch(self, identity: bytes, owner: bytes, message: ClientMessage) -> None:
+        if isinstance(message, Generate):
+            self._generate(identity, owner, message)
+        elif isinstance(message, Abort):
+            self._abort(identity, owner, message.request_id)
+        elif isinstance(message, Inspect):
+            self._send(identity, self._inspect())
+        elif isinstance(message, Health):
+            self._send(identity, self._health())
+        elif isinstance(message, Ping):
+            self._send(identity, Pong())
 
     def _refuse(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send(identity, ErrorReply(request_id=request_id, code=code, message=message))
 
-    def _generate(self, identity: bytes, msg: Generate) -> None:
+    def _generate(self, identity: bytes, owner: bytes, msg: Generate) -> None:
         rid = msg.request_id
         if self.stopping:
             return self._refuse(identity, rid, "shutting_down", "the server is shutting down")
@@ -121,59 +163,96 @@ class FrontendMixin:
             )
         if rid in self.outputs.requests:
             return self._refuse(identity, rid, "duplicate", f"request_id {rid!r} is in use")
-        if self.core is None:
-            if len(self.backlog) >= self.config.max_waiting_requests:
+        limit = self.server.max_prompt_bytes
+        if msg.prompt is not None and len(msg.prompt) > limit // 4:  # cheap before exact
+            size = len(msg.prompt.encode("utf-8", "surrogatepass"))
+            if size > limit:
                 return self._refuse(
-                    identity, rid, "overloaded", "no worker yet and the queue is full"
+                    identity,
+                    rid,
+                    "bad_request",
+                    f"prompt is {size} bytes; this server takes at most max_prompt_bytes={limit}",
                 )
-            self.backlog.append((identity, msg))
-            self.outputs.requests[rid] = self._client_request(identity, msg, [])
-            return None
-        self._submit(identity, msg)
-        return None
-
-    def _client_request(self, identity: bytes, msg: Generate, prompt: list[int]) -> ClientRequest:
-        return ClientRequest(
-            request_id=msg.request_id,
+        if self.core is None and len(self.backlog) >= self.config.max_waiting_requests:
+            return self._refuse(identity, rid, "overloaded", "no worker yet and the queue is full")
+        request = ClientRequest(
+            request_id=rid,
             client=identity,
+            owner=owner,
             stream=msg.stream,
             params=msg.sampling,
-            prompt_token_ids=prompt,
+            prompt_token_ids=[],
             arrival=time.monotonic(),
         )
+        self.outputs.requests[rid] = request
+        self._submit(request, msg)
+        return None
 
-    def _submit(self, identity: bytes, msg: Generate) -> None:
-        assert self.core is not None and self.outputs.tokenizer is not None
-        rid = msg.request_id
-        if msg.prompt is not None:
-            prompt = self.outputs.tokenizer.encode(msg.prompt, add_special_tokens=True).ids
-        else:
-            prompt = list(msg.prompt_token_ids or [])
+    def _submit(self, request: ClientRequest, msg: Generate) -> None:
+        """Tokenize (inline, or on a thread when long) and hand the request to the core;
+        before the first worker registered there is no tokenizer yet: keep it back."""
+        if self.core is None:
+            self.backlog.append((request, msg))
+            return
+        if msg.prompt is None or len(msg.prompt) <= INLINE_TOKENIZE_CHARS:
+            self._admit(request, msg, self._tokenize(msg))
+            return
+        task = asyncio.create_task(self._tokenize_off_loop(request, msg))
+        self.tokenizing.add(task)
+        task.add_done_callback(self.tokenizing.discard)
+
+    def _tokenize(self, msg: Generate) -> list[int]:
+        if msg.prompt is None:
+            return list(msg.prompt_token_ids or [])
+        assert self.outputs.tokenizer is not None
+        return self.outputs.tokenizer.encode(msg.prompt, add_special_tokens=True).ids
+
+    async def _tokenize_off_loop(self, request: ClientRequest, msg: Generate) -> None:
         try:
-            self.core.add_request(rid, prompt, msg.sampling, priority=msg.priority)
+            prompt = await asyncio.to_thread(self._tokenize, msg)
+        finally:
+            _malloc_trim()
+        if self.outputs.requests.get(request.request_id) is request:  # not aborted meanwhile
+            self._admit(request, msg, prompt)
+
+    def _admit(self, request: ClientRequest, msg: Generate, prompt: list[int]) -> None:
+        assert self.core is not None
+        rid = request.request_id
+        try:
+            self.core.add_request(
+                rid, prompt, msg.sampling, priority=msg.priority, client=request.owner.hex()
+            )
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
-            return self._refuse(identity, rid, REJECT_CODES[exc.code], exc.message)
-        request = self.outputs.requests.get(rid) or self._client_request(identity, msg, prompt)
+            return self._refuse(request.client, rid, REJECT_CODES[exc.code], exc.message)
         request.prompt_token_ids = prompt
-        self.outputs.requests[rid] = request
-        self._send(identity, Accepted(request_id=rid, prompt_token_ids=prompt))
+        self._send(request.client, Accepted(request_id=rid, prompt_token_ids=prompt))
         self.wake.set()
         return None
 
-    def _abort(self, identity: bytes, request_id: str) -> None:
-        if request_id not in self.outputs.requests:
-            return self._refuse(
-                identity, request_id, "unknown_request", f"no live request {request_id!r}"
-            )
-        self._end_request(request_id)
-        self._send(identity, AbortAck(request_id=request_id, aborted=True))
-        return None
+    def _abort(self, identity: bytes, owner: bytes, request_id: str) -> None:
+        """Only the owner may abort; a repeat, or an abort of a request that already
+        finished, is acknowledged with ``aborted=False``."""
+        request = self.outputs.requests.get(request_id)
+        if request is not None and request.owner == owner:
+            aborted = not request.ending
+            if aborted:
+                self._end_request(request_id)
+            return self._send(identity, AbortAck(request_id=request_id, aborted=aborted))
+        if self.outputs.finished_owners.get(request_id) == owner:
+            return self._send(identity, AbortAck(request_id=request_id, aborted=False))
+        return self._refuse(
+            identity, request_id, "unknown_request", f"this client has no request {request_id!r}"
+        )
 
     def _end_request(self, request_id: str, code: str = "", message: str = "") -> None:
-        """Abort a request wherever it is (backlog, core) and tell its client, in event
-        order: Finished with reason "abort", or, given a ``code``, ErrorReply."""
-        self.backlog = [(i, m) for i, m in self.backlog if m.request_id != request_id]
+        """Abort a request wherever it is (backlog, tokenizer, core) and tell its client,
+        in event order: Finished with reason "abort", or, given a ``code``, ErrorReply."""
+        request = self.outputs.requests.get(request_id)
+        if request is None or request.ending:
+            return
+        request.ending = True
+        self.backlog = [(r, m) for r, m in self.backlog if r is not request]
         if self.core is not None:
             self.core.abort(request_id)
         if code:
@@ -204,7 +283,9 @@ class FrontendMixin:
 
     def _health(self) -> HealthStatus:
         ready = len(self.registry.ready())
-        if self.core is None or not self.registry.ever_ready:
+        if self.stopping:
+            status = "draining"
+        elif self.core is None or not self.registry.ever_ready:
             status = "starting"
         elif ready >= self.registry.expected:
             status = "ok"

@@ -8,6 +8,7 @@ its own task, while the worker computes the next step.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,10 +36,18 @@ class StepEvents:
     time: float = 0.0
 
 
+RECENTLY_FINISHED = 16_384
+"""Finished request ids remembered (with their owner), so a late Abort is answered
+``aborted=False`` rather than ``unknown_request``."""
+
+
 @dataclass(slots=True)
 class ClientRequest:
     request_id: str
     client: bytes
+    """The connection replies go to."""
+    owner: bytes
+    """Who may abort it: the client's CURVE key, else its connection (frontend.frame_owner)."""
     stream: bool
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -48,6 +57,8 @@ class ClientRequest:
     samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    ending: bool = False
+    """Aborted or failed; its Finished / ErrorReply is on its way."""
 
 
 Send = Callable[[bytes, ServerMessage], None]
@@ -61,6 +72,16 @@ class OutputProcessor:
         self.send = send
         self.finish_seq = finish_seq
         self.requests: dict[str, ClientRequest] = {}
+        self.finished_owners: OrderedDict[str, bytes] = OrderedDict()
+        """The last RECENTLY_FINISHED requests that ended, by id -> owner."""
+
+    def _forget(self, request_id: str) -> ClientRequest | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.finished_owners[request_id] = req.owner
+            if len(self.finished_owners) > RECENTLY_FINISHED:
+                self.finished_owners.popitem(last=False)
+        return req
 
     def _sample(self, req: ClientRequest, index: int) -> IncrementalDetokenizer:
         detok = req.samples.get(index)
@@ -134,7 +155,7 @@ class OutputProcessor:
 
     def finish(self, request_id: str, reason_for_rest: str = "abort") -> None:
         """Send Finished; samples with no reason yet end with ``reason_for_rest``."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is None:
             return
         now = time.monotonic()
@@ -185,6 +206,6 @@ class OutputProcessor:
         )
 
     def fail(self, request_id: str, code: str, message: str) -> None:
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is not None:
             self.send(req.client, ErrorReply(request_id=request_id, code=code, message=message))

@@ -5,13 +5,13 @@ Each is a small class with one decision, so it can be tested and replaced alone.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
 from typing import Literal, Protocol
 
-from scheduler_svc.request import Request, Sequence
+from scheduler_svc.request import QueueKey, Request, Sequence
 from shared.config import SchedulerConfig
 
-QueueKey = tuple[float, int, int]
 PreemptionMode = Literal["swap", "recompute"]
 
 
@@ -20,15 +20,125 @@ class QueueOrder(Protocol):
         """Static sort key: the smaller key runs first, in every queue."""
         ...
 
+    def priority_term(self, request: Request) -> float:
+        """The key's first component: requests with equal terms share fair-share rounds."""
+        ...
 
-class FcfsOrder:
-    """First come, first served."""
+
+class _RoundRobin:
+    """The rounds of one priority term: its virtual round and, per client with an
+    unfinished request of that term, ``[next round, unfinished requests]``."""
+
+    __slots__ = ("clients", "virtual_round")
+
+    def __init__(self) -> None:
+        self.virtual_round = 0
+        self.clients: dict[str, list[int]] = {}
+
+
+class FairShareRounds:
+    """Start-time fair queuing by rounds: round-robin among clients at equal priority.
+
+    Within one priority term (the key's first component), each client has a next
+    round. A new request of client ``c`` gets round ``max(next_round[c],
+    virtual_round)`` and sets ``next_round[c]`` to that plus one; ``virtual_round`` is
+    the largest round of the term's requests admitted so far (first scheduled), so it
+    only grows. Ordering by (term, round, arrival) then interleaves clients one request
+    each within a term, keeps each client's own requests FIFO, and starts a client that
+    was idle at the current round: no credit is saved up while idle. With one client
+    the rounds rise with arrival, so the order is plain arrival order. A round is fixed
+    at submission, so keys stay static and queues never re-sort.
+
+    Rounds are kept per term because they only ever compare between requests of equal
+    terms: with one global virtual round, a heavy client's better-priority request
+    (whose round its backlog has pushed far ahead) would, once admitted, push every
+    other client's next request behind that backlog.
+
+    Preemption. Every running sequence was admitted, so its round is at most its
+    term's virtual round, which is at most the round of any later arrival of that term;
+    the arrival also has the largest arrival number. So a new request never ranks ahead
+    of a running sequence of its own term, and ``_make_room`` (priority policy), which
+    only preempts sequences ranked after the candidate, never preempts a heavy client's
+    running request for a light client's new one: the light request takes the next
+    free slot, ahead of the heavy client's queue. Only a sequence that was itself
+    preempted (and keeps its old round, as it keeps its arrival number) can rank ahead
+    of running ones of its term, exactly as without fair share. No livelock follows:
+    keys are static and totally ordered, a sequence only ever preempts sequences
+    ranked after it, so the best-ranked one always progresses, and ``max_preemptions``
+    bounds how often any one is picked while others can be.
+
+    State lives while it has unfinished requests: :meth:`arrive` counts one in,
+    :meth:`depart` one out, and drops the client, then the term, at zero.
+    """
+
+    def __init__(self) -> None:
+        self._terms: dict[float, _RoundRobin] = {}
+
+    def __len__(self) -> int:
+        """(term, client) pairs with an unfinished request."""
+        return sum(len(term.clients) for term in self._terms.values())
+
+    def virtual_round(self, term: float) -> int:
+        """The largest round of ``term`` admitted while it had unfinished requests."""
+        rounds = self._terms.get(term)
+        return 0 if rounds is None else rounds.virtual_round
+
+    def arrive(self, term: float, client: str) -> int:
+        """The round of a new request of ``client`` with priority term ``term``."""
+        rounds = self._terms.get(term)
+        if rounds is None:
+            rounds = self._terms[term] = _RoundRobin()
+        state = rounds.clients.get(client)
+        if state is None:
+            state = rounds.clients[client] = [0, 0]
+        fair_round = max(state[0], rounds.virtual_round)
+        state[0] = fair_round + 1
+        state[1] += 1
+        return fair_round
+
+    def admitted(self, term: float, fair_round: int) -> None:
+        """A request of ``term`` and ``fair_round`` was scheduled for the first time."""
+        rounds = self._terms[term]
+        if fair_round > rounds.virtual_round:
+            rounds.virtual_round = fair_round
+
+    def depart(self, term: float, client: str) -> None:
+        """A request of ``client`` and ``term`` finished (or was aborted)."""
+        rounds = self._terms[term]
+        state = rounds.clients[client]
+        state[1] -= 1
+        if not state[1]:
+            del rounds.clients[client]
+            if not rounds.clients:
+                del self._terms[term]
+
+
+class _StaticOrder(ABC):
+    """What both orders share: the key after the priority term is arrival number and
+    sample index, with the request's fair-share round in front when ``fair_share``."""
+
+    def __init__(self, *, fair_share: bool = False) -> None:
+        self.fair_share = fair_share
+
+    @abstractmethod
+    def priority_term(self, request: Request) -> float:
+        """The first key component; smaller runs first."""
 
     def key(self, request: Request, sample_index: int) -> QueueKey:
-        return (0.0, request.arrival_seq, sample_index)
+        term = self.priority_term(request)
+        if self.fair_share:
+            return (term, request.fair_round, request.arrival_seq, sample_index)
+        return (term, request.arrival_seq, sample_index)
 
 
-class PriorityOrder:
+class FcfsOrder(_StaticOrder):
+    """First come, first served (round-robin among clients with fair share)."""
+
+    def priority_term(self, request: Request) -> float:
+        return 0.0
+
+
+class PriorityOrder(_StaticOrder):
     """Lower priority value first, FIFO within a priority, with aging.
 
     A request's effective priority at step ``t`` is ``priority - aging_rate * (t -
@@ -40,23 +150,25 @@ class PriorityOrder:
     every request arriving after step ``a + (p - p_min) / aging_rate``, where ``p_min``
     is the best priority in use. So it waits only for the finite set of requests that
     arrived before that step.
+
+    Fair share orders requests with equal terms. With ``aging_rate > 0`` the term
+    separates requests of one priority that arrived at different steps, so rounds then
+    interleave clients only among same-step arrivals; with ``aging_rate = 0`` they
+    interleave them across the whole priority, as under FCFS.
     """
 
-    def __init__(self, aging_rate: float) -> None:
+    def __init__(self, aging_rate: float, *, fair_share: bool = False) -> None:
+        super().__init__(fair_share=fair_share)
         self.aging_rate = aging_rate
 
-    def key(self, request: Request, sample_index: int) -> QueueKey:
-        return (
-            request.priority + self.aging_rate * request.arrival_step,
-            request.arrival_seq,
-            sample_index,
-        )
+    def priority_term(self, request: Request) -> float:
+        return request.priority + self.aging_rate * request.arrival_step
 
 
 def make_queue_order(config: SchedulerConfig) -> QueueOrder:
     if config.policy == "priority":
-        return PriorityOrder(config.aging_rate)
-    return FcfsOrder()
+        return PriorityOrder(config.aging_rate, fair_share=config.fair_share)
+    return FcfsOrder(fair_share=config.fair_share)
 
 
 class VictimPolicy:

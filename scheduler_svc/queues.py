@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from scheduler_svc.request import Sequence
+from scheduler_svc.request import QueueKey, Sequence
 
 
 class SeqQueue:
@@ -16,7 +16,7 @@ class SeqQueue:
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[float, int, int], int, Sequence]] = []
+        self._heap: list[tuple[QueueKey, int, Sequence]] = []
         self._live: dict[str, int] = {}
         """seq_id -> ticket of its live heap entry."""
         self._ticket = 0

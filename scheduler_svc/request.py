@@ -14,6 +14,11 @@ import enum
 
 from shared.sampling import SamplingParams
 
+QueueKey = tuple[float, int, int] | tuple[float, int, int, int]
+"""``(priority term, arrival number, sample index)``, or with fair share ``(priority
+term, round, arrival number, sample index)``; one scheduler uses one shape only. See
+``policies``."""
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -47,9 +52,12 @@ class Request:
     __slots__ = (
         "arrival_seq",
         "arrival_step",
+        "client",
+        "fair_round",
         "finish_reason",
         "first_scheduled_step",
         "max_output_tokens",
+        "num_failed_steps",
         "num_unfinished",
         "params",
         "priority",
@@ -68,6 +76,7 @@ class Request:
         arrival_step: int,
         arrival_seq: int,
         max_output_tokens: int,
+        client: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -76,8 +85,14 @@ class Request:
         self.arrival_step = arrival_step
         self.arrival_seq = arrival_seq
         self.max_output_tokens = max_output_tokens
+        self.client = client
+        """Who submitted it ("" = the one anonymous client); see ``FairShareRounds``."""
+        self.fair_round = 0
+        """Its fair-share round, set once by the scheduler at submission."""
         self.seqs: list[Sequence] = []
         self.num_unfinished = params.n
+        self.num_failed_steps = 0
+        """Steps holding this request that a worker died in (see Scheduler.on_worker_lost)."""
         self.first_scheduled_step: int | None = None
         self.finish_reason: FinishReason | None = None
 
@@ -116,7 +131,7 @@ class Sequence:
         request: Request,
         sample_index: int,
         token_ids: list[int],
-        key: tuple[float, int, int],
+        key: QueueKey,
     ) -> None:
         self.request = request
         self.sample_index = sample_index

@@ -38,6 +38,7 @@ from ipc.schema import (
 from scheduler_svc.introspection import IntrospectionMixin
 from scheduler_svc.kv_manager import KVCacheManager
 from scheduler_svc.policies import (
+    FairShareRounds,
     PreemptionCostModel,
     PreemptionMode,
     VictimPolicy,
@@ -46,6 +47,7 @@ from scheduler_svc.policies import (
 from scheduler_svc.queues import SeqQueue
 from scheduler_svc.request import (
     FinishReason,
+    QueueKey,
     RejectedError,
     Request,
     SeqStatus,
@@ -53,6 +55,9 @@ from scheduler_svc.request import (
 )
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
+
+QUARANTINE_AFTER_FAILED_STEPS = 2
+"""A request in this many steps that a worker died in is not run again."""
 
 
 class WorkerProtocolError(RuntimeError):
@@ -81,7 +86,7 @@ class UpdateOutcome:
     """Sequence id -> logprobs of the token it got, where the request asked for them."""
 
 
-def _sort_key(seq: Sequence) -> tuple[float, int, int]:
+def _sort_key(seq: Sequence) -> QueueKey:
     return seq.key
 
 
@@ -92,11 +97,14 @@ class Scheduler(IntrospectionMixin):
         *,
         eos_token_ids: Iterable[int],
         kv_bytes_per_block: int,
+        vocab_size: int | None = None,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        """Prompt token ids must be below it (the model's embedding rows); None = unchecked."""
         """Token ids that end a sequence unless ignore_eos (a model may list several)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
@@ -107,6 +115,9 @@ class Scheduler(IntrospectionMixin):
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.order = make_queue_order(config)
+        self.fair_share = FairShareRounds()
+        """Fair-share rounds of the clients with unfinished requests, kept either way;
+        the order uses them when ``config.fair_share``."""
         self.victims = VictimPolicy(config.max_preemptions)
         self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
         self.watermark_blocks = config.watermark_blocks(config.num_gpu_blocks)
@@ -146,10 +157,15 @@ class Scheduler(IntrospectionMixin):
         params: SamplingParams,
         *,
         priority: int = 0,
+        client: str = "",
     ) -> Request:
-        """Queue a request, or raise :class:`RejectedError` saying why it never could run."""
+        """Queue a request, or raise :class:`RejectedError` saying why it never could run.
+
+        ``client`` names who submitted it; with ``fair_share`` clients at equal priority
+        are admitted round-robin. "" is one anonymous client (the in-process engine).
+        """
         try:
-            request = self._validate(request_id, prompt_token_ids, params, priority)
+            request = self._validate(request_id, prompt_token_ids, params, priority, client)
         except RejectedError:
             self.finished_counts["rejected"] += 1
             raise
@@ -162,7 +178,12 @@ class Scheduler(IntrospectionMixin):
         return request
 
     def _validate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        client: str,
     ) -> Request:
         cfg = self.config
         if not isinstance(request_id, str) or not request_id:
@@ -173,10 +194,20 @@ class Scheduler(IntrospectionMixin):
             raise RejectedError("invalid", "params must be SamplingParams")
         if type(priority) is not int:
             raise RejectedError("invalid", f"priority must be an integer, got {priority!r}")
+        if not isinstance(client, str):
+            raise RejectedError("invalid", f"client must be a string, got {client!r}")
         if not isinstance(prompt, list) or not prompt:
             raise RejectedError("invalid", "prompt_token_ids must be a non-empty list")
         if not all(type(t) is int and t >= 0 for t in prompt):
             raise RejectedError("invalid", "prompt_token_ids must hold non-negative integers")
+        vocab = self.vocab_size
+        if vocab is not None and max(prompt) >= vocab:
+            position, token = next((i, t) for i, t in enumerate(prompt) if t >= vocab)
+            raise RejectedError(
+                "invalid",
+                f"prompt_token_ids: token id {token} (position {position}) is outside the "
+                f"model's vocabulary [0, {vocab})",
+            )
         if params.n > cfg.max_num_seqs:
             raise RejectedError("invalid", f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         if len(prompt) >= cfg.max_model_len:
@@ -209,7 +240,7 @@ class Scheduler(IntrospectionMixin):
                 f"waiting queue is full ({cfg.max_waiting_requests} requests); retry later",
             )
         self._arrivals += 1
-        return Request(
+        request = Request(
             request_id,
             list(prompt),
             params,
@@ -217,7 +248,10 @@ class Scheduler(IntrospectionMixin):
             arrival_step=self.step,
             arrival_seq=self._arrivals,
             max_output_tokens=max_output,
+            client=client,
         )
+        request.fair_round = self.fair_share.arrive(self.order.priority_term(request), client)
+        return request
 
     # -- the step -------------------------------------------------------------------------
 
@@ -353,7 +387,10 @@ class Scheduler(IntrospectionMixin):
 
     def _make_room(self, step: _StepBuilder, budget: int) -> None:
         """Priority policy: preempt running sequences ranked after the best queued one
-        until its first chunk fits (blocks and sequence slots)."""
+        until its first chunk fits (blocks and sequence slots).
+
+        Fair-share rounds never make a new arrival outrank a running sequence of its
+        priority term, so they add no preemptions here (see ``FairShareRounds``)."""
         seq, from_swapped = self._next_candidate()
         if seq is None or not self.running or self.running[-1].key < seq.key:
             return  # nobody running ranks after it: nothing to take room from
@@ -406,8 +443,10 @@ class Scheduler(IntrospectionMixin):
         step.inflight.append((seq, num_new))
         if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
             step.num_samples[seq_id] = 1 + seq.pending_forks
-        if seq.request.first_scheduled_step is None:
-            seq.request.first_scheduled_step = self.step
+        request = seq.request
+        if request.first_scheduled_step is None:
+            request.first_scheduled_step = self.step
+            self.fair_share.admitted(self.order.priority_term(request), request.fair_round)
 
     def _preempt(self, index: int, step: _StepBuilder) -> None:
         seq = self.running.pop(index)
@@ -554,17 +593,29 @@ class Scheduler(IntrospectionMixin):
         if request.num_unfinished == 0:
             request.finish_reason = reason
             del self.requests[request.request_id]
+            self.fair_share.depart(self.order.priority_term(request), request.client)
             self.finished_counts[reason.value] += 1
             if outcome is not None:
                 outcome.finished_requests.append(request)
 
-    def on_worker_lost(self) -> None:
+    def on_worker_lost(self) -> list[Request]:
         """The device cache is gone: running sequences go back to recompute.
 
         Sequences swapped out before the step in flight keep their K/V in the CPU pool.
         Those whose swap-out rode on the lost step may never have been copied, so they
         are recomputed too. Call between steps; a step in flight is discarded.
+
+        A worker that dies inside a step may have been killed by what the step held:
+        each request in it counts one failed step, and one at
+        ``QUARANTINE_AFTER_FAILED_STEPS`` is ended (reason abort) instead of re-queued, so
+        it cannot crash worker after worker. Returns those requests; the caller tells
+        their clients why.
         """
+        suspects = {
+            seq.request: None
+            for seq, _ in self._inflight or ()
+            if seq.status is not SeqStatus.FINISHED
+        }
         self._inflight = None
         self.kv.cpu_pool.release(self._cpu_release)
         self._cpu_release = []
@@ -587,6 +638,13 @@ class Scheduler(IntrospectionMixin):
         self._running_forks = 0
         self._freed_seq_ids = []
         self.kv.pool.reset_prefix_cache()
+        quarantined = []
+        for request in suspects:
+            request.num_failed_steps += 1
+            if request.num_failed_steps >= QUARANTINE_AFTER_FAILED_STEPS:
+                self.abort(request.request_id)
+                quarantined.append(request)
+        return quarantined
 
 
 @dataclass(slots=True)

@@ -3,11 +3,12 @@
 A trace is JSON Lines, one request per line::
 
     {"id": "r1", "arrival_step": 0, "prompt_len": 100, "max_tokens": 32,
-     "priority": 0, "n": 1, "eos_at": 5, "abort_step": 40}
+     "priority": 0, "n": 1, "eos_at": 5, "abort_step": 40, "client": "a"}
 
 ``prompt_token_ids`` may replace ``prompt_len`` (for shared prefixes); ``priority``
-(lower runs first), ``n``, ``eos_at`` (the k-th output token, 1-based, is EOS) and
-``abort_step`` (the client aborts before that step) are optional.
+(lower runs first), ``n``, ``eos_at`` (the k-th output token, 1-based, is EOS),
+``abort_step`` (the client aborts before that step) and ``client`` (who submits it,
+for fair share; absent = one anonymous client) are optional.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class TraceRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     n: int = 1
     eos_at: int | None = None
     abort_step: int | None = None
+    client: str | None = None
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, n=self.n, temperature=0.0)
@@ -163,7 +165,11 @@ class Simulation:
                 req = pending.pop()
                 try:
                     requests[req.id] = sched.add_request(
-                        req.id, self.prompt_of(req), req.params(), priority=req.priority
+                        req.id,
+                        self.prompt_of(req),
+                        req.params(),
+                        priority=req.priority,
+                        client=req.client or "",
                     )
                 except RejectedError as exc:
                     result.rejected[req.id] = exc.message

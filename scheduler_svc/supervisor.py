@@ -22,13 +22,17 @@ from types import FrameType
 import msgspec
 
 from ipc.client import Client
+from ipc.curve import client_curve_options
 from ipc.errors import ClientTimeoutError, ServerError
 from shared.config import SchedulerConfig, config_to_toml
-from shared.server_config import ServerConfig, server_config_to_toml
+from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
 
 log = logging.getLogger("expeditor.serve")
 
 READY_TIMEOUT_S = 300.0
+STOP_GRACE_S = 15.0
+"""How long a process gets to exit after SIGTERM (past the scheduler's drain) before
+it is killed."""
 MAX_FAILED_STARTS = 3
 """A worker that exits non-zero this many times before the server was ever ready is not
 restarted again: serve gives up with status 1 (its log says why)."""
@@ -50,6 +54,7 @@ class Supervisor:
         self.failed_starts: dict[int, int] = {}
         self.ready = False
         self.stopping = False
+        self.workers_stopping = False
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
         command = [
@@ -60,12 +65,17 @@ class Supervisor:
             "--config",
             str(self.config_path),
         ]
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
 
     def _spawn_worker(self, rank: int) -> None:
         self.workers[rank] = self._spawn("worker", "--rank", str(rank))
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The first signal starts an orderly stop; a second one is passed on to the
+        draining scheduler, which then stops at once."""
+        if self.stopping and self.scheduler is not None and self.scheduler.poll() is None:
+            self.scheduler.send_signal(signal.SIGTERM)
         self.stopping = True
 
     def run(self) -> int:
@@ -85,7 +95,13 @@ class Supervisor:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        with Client(self.server.frontend, timeout=2.0) as client:
+        server = self.server
+        curve = (
+            client_curve_options(server.curve_server_key, server.curve_client_key)
+            if server.curve
+            else {}
+        )
+        with Client(server.frontend, timeout=2.0, **curve) as client:
             while time.monotonic() < deadline and not self.stopping:
                 if self.scheduler is None or self.scheduler.poll() is not None:
                     log.error("the scheduler exited during start-up")
@@ -117,7 +133,7 @@ class Supervisor:
                         self.failed_starts[rank],
                     )
                     return False
-            if self.server.restart_workers and not self.stopping:
+            if self.server.restart_workers and not self.workers_stopping:
                 log.warning("worker rank %d exited with %s: restarting", rank, proc.returncode)
                 self._spawn_worker(rank)
             else:
@@ -136,11 +152,22 @@ class Supervisor:
         return 0
 
     def _stop_all(self) -> None:
-        procs = [p for p in (self.scheduler, *self.workers.values()) if p is not None]
+        """The scheduler first: it drains (requests in flight finish, for up to
+        shutdown_timeout_s) while the workers, restarted if they die, still serve it;
+        then the workers."""
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler.poll() is None:
+            scheduler.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.server.shutdown_timeout_s + STOP_GRACE_S
+            while scheduler.poll() is None and time.monotonic() < deadline:
+                self._restart_dead_workers()
+                time.sleep(0.1)
+        self.workers_stopping = True
+        procs = [p for p in (scheduler, *self.workers.values()) if p is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + STOP_GRACE_S
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

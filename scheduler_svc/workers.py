@@ -1,10 +1,16 @@
-"""The scheduler's view of its worker processes: join, setup, heartbeats, loss."""
+"""The scheduler's view of its worker processes: join, setup, heartbeats, loss.
+
+A worker is lost when it is silent for ``timeout_s`` (no heartbeat), or, when it runs
+in the scheduler's pid namespace (same :func:`~shared.procinfo.host_id`), as soon as
+its process is gone: a replacement started by a supervisor is then accepted at once
+instead of being refused until the dead one's heartbeats time out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ipc.schema import WorkerHello, WorkerInfo, WorkerJoin
+from shared.procinfo import host_id, process_alive
 
 
 @dataclass(slots=True)
@@ -17,6 +23,12 @@ class WorkerHandle:
     state: str = "starting"
     """``starting`` (loading the model), ``ready`` (hello received), ``lost``."""
     hello: WorkerHello | None = None
+    start_time: int = 0
+    """The process's start time when it runs in this pid namespace (0: cannot watch it)."""
+
+    def dead(self) -> bool:
+        """Seen to have exited (only knowable for a process in this pid namespace)."""
+        return bool(self.start_time) and not process_alive(self.pid, self.start_time)
 
 
 class WorkerRegistry:
@@ -31,14 +43,29 @@ class WorkerRegistry:
         self.lost: list[WorkerHandle] = []
         self.ever_ready = False
 
-    def join(self, identity: bytes, join: WorkerJoin, now: float) -> WorkerHandle:
-        """Register a worker; raises ValueError if a live worker already has its rank."""
-        for other in self.workers.values():
+    def join(
+        self, identity: bytes, join: WorkerJoin, now: float
+    ) -> tuple[WorkerHandle, WorkerHandle | None]:
+        """Register a worker, and return the handle it replaces (now dropped) if the
+        previous holder of its rank is seen dead; raises ValueError if that one lives
+        or cannot be watched and has not timed out yet."""
+        replaced = None
+        for other in list(self.workers.values()):
             if other.rank == join.rank and other.identity != identity:
-                raise ValueError(f"rank {join.rank} is already served by pid {other.pid}")
-        handle = WorkerHandle(identity, join.rank, join.pid, join.device, last_seen=now)
+                if not other.dead():
+                    raise ValueError(f"rank {join.rank} is already served by pid {other.pid}")
+                replaced = self.drop(other.identity)
+        local = bool(join.host) and join.host == host_id()
+        handle = WorkerHandle(
+            identity,
+            join.rank,
+            join.pid,
+            join.device,
+            last_seen=now,
+            start_time=join.start_time if local else 0,
+        )
         self.workers[identity] = handle
-        return handle
+        return handle, replaced
 
     def get(self, identity: bytes) -> WorkerHandle | None:
         return self.workers.get(identity)
@@ -61,9 +88,13 @@ class WorkerRegistry:
         return handle
 
     def expire(self, now: float) -> list[WorkerHandle]:
-        """Drop and return the workers silent for longer than the timeout."""
-        silent = [w.identity for w in self.workers.values() if now - w.last_seen > self.timeout_s]
-        return [h for h in (self.drop(i) for i in silent) if h is not None]
+        """Drop and return the workers silent for longer than the timeout or seen dead."""
+        gone = [
+            w.identity
+            for w in self.workers.values()
+            if now - w.last_seen > self.timeout_s or w.dead()
+        ]
+        return [h for h in (self.drop(i) for i in gone) if h is not None]
 
     def info(self) -> list[WorkerInfo]:
         return [

@@ -68,6 +68,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     preemption_mode: PreemptionMode = "auto"
     policy: QueuePolicy = "fcfs"
     aging_rate: float = 0.01
+    fair_share: bool = True
     max_preemptions: int = 8
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = True
@@ -101,6 +102,8 @@ FIELD_HELP: dict[str, str] = {
     "preemption_mode": "How victims give up KV: auto (cost model), swap or recompute.",
     "policy": "Waiting-queue order: fcfs, or priority (FIFO within a priority, with aging).",
     "aging_rate": "Priority units a waiting request gains per step waited.",
+    "fair_share": "Round-robin admission among clients at equal priority; off = strict "
+    "arrival order.",
     "max_preemptions": "Preemptions after which a request is no longer picked as a victim "
     "while others can be.",
     "max_waiting_requests": "Waiting-queue length beyond which requests are refused as overloaded.",
@@ -210,6 +213,7 @@ _VALIDATORS: dict[str, _Validator] = {
     "preemption_mode": _one_of(get_args(PreemptionMode)),
     "policy": _one_of(get_args(QueuePolicy)),
     "aging_rate": _float_in(low=0.0, low_inclusive=True),
+    "fair_share": _boolean,
     "max_preemptions": _int_at_least(1),
     "max_waiting_requests": _int_at_least(1),
     "enable_prefix_caching": _boolean,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import pickle
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from ipc.client import AsyncClient, Client, Completion
 from ipc.errors import (
@@ -23,6 +25,7 @@ from ipc.errors import (
     OverloadedError,
     RequestRejectedError,
     ServerError,
+    ServerUnavailableError,
     ShuttingDownError,
     UnknownRequestError,
     WorkerLostError,
@@ -597,3 +600,210 @@ def test_sync_client_basics(server: FakeServer) -> None:
     assert len([t for t in pings if generates[0] < t < finished_at]) >= 3
     assert server.wait_for(lambda: bool(server.messages(Abort)))
     assert Abort(request_id="hang") in server.messages(Abort)
+
+
+# -- server liveness -------------------------------------------------------------------------
+
+FAST = {"ping_interval": 0.05, "server_timeout_s": 0.3}
+"""Liveness settings for the tests: a silent server is given up after 0.3 s."""
+BOUND_S = 5.0
+"""A generous bound on how long giving up may take."""
+
+
+def test_server_unavailable_error() -> None:
+    error = ServerUnavailableError("ipc:///run/x.sock", 5.0)
+    assert isinstance(error, ConnectionError)
+    assert (error.address, error.silent_s) == ("ipc:///run/x.sock", 5.0)
+    assert str(error) == "no answer from the server at ipc:///run/x.sock for 5 s; is it running?"
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.address, copy.silent_s, str(copy)) == (error.address, 5.0, str(error))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"server_timeout_s": 0}, "server_timeout_s"),
+        ({"server_timeout_s": -1.0}, "server_timeout_s"),
+        ({"server_timeout_s": math.inf}, "server_timeout_s"),
+        ({"server_timeout_s": math.nan}, "server_timeout_s"),
+        ({"server_timeout_s": True}, "server_timeout_s"),
+        ({"server_timeout_s": "5"}, "server_timeout_s"),
+        ({"ping_interval": 0.0}, "ping_interval"),
+        ({"ping_interval": math.inf}, "ping_interval"),
+        ({"ping_interval": 2.0, "server_timeout_s": 2.0}, "server_timeout_s.*ping_interval"),
+        ({"server_timeout_s": 0.5}, "server_timeout_s.*ping_interval"),  # default interval 1 s
+    ],
+)
+def test_liveness_parameters_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AsyncClient("ipc:///nowhere", **kwargs)
+    with pytest.raises(ValueError, match=match):
+        Client("ipc:///nowhere", **kwargs)
+
+
+def test_silent_server_fails_every_waiting_call(server: FakeServer) -> None:
+    """A server that stops answering (not even Pongs) fails a generate, a stream, a
+    health call and an abort, all without a timeout of their own."""
+
+    def silent(message: ClientMessage) -> Replies:
+        if isinstance(message, Generate) and message.stream:
+            return answer(message)[:2]  # Accepted and one Delta, then nothing
+        return []
+
+    server.handler = silent
+
+    async def consume(client: AsyncClient) -> list[str]:
+        return [delta.text async for delta in client.stream("x", request_id="s1")]
+
+    async def main() -> list[BaseException | Any]:
+        async with AsyncClient(server.address, timeout=None, **FAST) as client:
+            calls = [
+                client.generate("x", request_id="g1"),
+                consume(client),
+                client.health(timeout=None),
+                client.abort("g1", timeout=None),
+            ]
+            async with asyncio.timeout(BOUND_S):
+                results = await asyncio.gather(*calls, return_exceptions=True)
+            assert not client._requests and not client._waiting()
+            return results
+
+    results = run(main())
+    for result in results:
+        assert isinstance(result, ServerUnavailableError), result
+        assert result.address == server.address and result.silent_s >= 0.3
+        assert server.address in str(result)
+    # the abandoned requests are aborted without waiting, in case the server is only stalled
+    assert server.wait_for(lambda: len(server.messages(Abort)) == 3)
+    assert sorted(m.request_id for m in server.messages(Abort)) == ["g1", "g1", "s1"]
+    assert len(server.messages(Ping)) >= 3
+
+
+def test_a_server_that_stops_answering_midway(server: FakeServer) -> None:
+    """Answers (a stream's deltas) count as signs of life until they stop."""
+
+    def slow_then_silent(message: ClientMessage) -> Replies:
+        if not isinstance(message, Generate):
+            return []
+        rid = message.request_id
+        deltas: Replies = [
+            (0.1 * i, Delta(request_id=rid, index=0, token_ids=[i], text=f"t{i}"))
+            for i in range(1, 9)
+        ]
+        return [(0.0, Accepted(request_id=rid, prompt_token_ids=[1])), *deltas]
+
+    server.handler = slow_then_silent
+
+    async def main() -> list[str]:
+        texts: list[str] = []
+        async with AsyncClient(server.address, timeout=None, **FAST) as client:
+            with pytest.raises(ServerUnavailableError):
+                async with asyncio.timeout(BOUND_S):
+                    async for delta in client.stream("x"):
+                        texts.append(delta.text)
+        return texts
+
+    assert run(main()) == [f"t{i}" for i in range(1, 9)]  # 0.8 s of deltas, then silence
+
+
+def test_stopped_server_fails_calls_and_a_restarted_one_serves(server: FakeServer) -> None:
+    server.handler = lambda message: answer(message, finish_delay=60.0)
+
+    async def main() -> None:
+        async with AsyncClient(server.address, timeout=None, **FAST) as client:
+            pending = asyncio.create_task(client.generate("x", request_id="lost"))
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(server.stop)
+            async with asyncio.timeout(BOUND_S):
+                with pytest.raises(ServerUnavailableError):
+                    await pending
+                with pytest.raises(ServerUnavailableError):  # still gone: the same again
+                    await client.health(timeout=None)
+            restarted = FakeServer(server.address)
+            restarted.start()
+            try:
+                async with asyncio.timeout(BOUND_S):
+                    completion = await client.generate("y z", request_id="back")
+                assert completion.token_ids == [101, 101]
+                assert (await client.health(timeout=None)).status == "ok"
+            finally:
+                await asyncio.to_thread(restarted.stop)
+
+    run(main())
+
+
+def test_pongs_keep_a_long_request_alive(server: FakeServer) -> None:
+    """A request running far longer than server_timeout_s, with no frame of its own
+    meanwhile, lives on the Pongs to the client's pings."""
+    server.handler = lambda message: answer(message, finish_delay=1.2)
+
+    async def main() -> Completion:
+        async with AsyncClient(server.address, timeout=None, **FAST) as client:
+            return await client.generate("long one", request_id="long")
+
+    completion = run(main())
+    assert completion.request_id == "long"
+    assert len(server.messages(Ping)) >= 10
+    assert not server.messages(Abort)
+
+
+def test_idle_time_does_not_count(server: FakeServer) -> None:
+    """Silence while nothing waits is no sign of a dead server: after an idle period
+    longer than server_timeout_s, a call answered within it succeeds."""
+
+    def slowish(message: ClientMessage) -> Replies:
+        return [(0.1, reply) for _, reply in answer(message)]  # Pongs too: 0.1 s late
+
+    server.handler = slowish
+
+    async def main() -> None:
+        async with AsyncClient(server.address, timeout=None, **FAST) as client:
+            assert (await client.health()).status == "ok"
+            await asyncio.sleep(0.8)
+            assert (await client.health()).status == "ok"
+            await asyncio.sleep(0.8)
+            assert (await client.generate("a", request_id="after-idle")).text == "out-after-idle-0"
+
+    run(main())
+
+
+def test_sends_stuck_on_a_full_socket_give_up(tmp_path: Path) -> None:
+    """No server ever: with a send high-water mark of 1 the sends themselves block, and
+    still every call fails with ServerUnavailableError."""
+    context = zmq.asyncio.Context()
+    context.setsockopt(zmq.SNDHWM, 1)
+
+    async def main() -> list[BaseException | Any]:
+        address = f"ipc://{tmp_path}/nobody.sock"
+        async with AsyncClient(address, timeout=None, context=context, **FAST) as client:
+            calls = [
+                *(client.generate("x") for _ in range(5)),
+                client.inspect(),
+                client.abort("any"),
+            ]
+            tasks = [asyncio.ensure_future(call) for call in calls]
+            await asyncio.sleep(0.1)
+            assert client._stuck_sends
+            async with asyncio.timeout(BOUND_S):
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert not client._stuck_sends
+            return results
+
+    try:
+        results = run(main())
+    finally:
+        context.term()
+    assert all(isinstance(result, ServerUnavailableError) for result in results), results
+
+
+def test_sync_client_server_unavailable(server: FakeServer) -> None:
+    server.handler = lambda message: []
+    with Client(server.address, timeout=None, **FAST) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError):
+            client.generate("x")
+        with pytest.raises(ServerUnavailableError):
+            list(client.stream("x"))
+        assert time.monotonic() - started < 2 * BOUND_S
+        server.handler = answer
+        assert client.generate("a", request_id="ok").text == "out-ok-0"

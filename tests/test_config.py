@@ -41,6 +41,7 @@ def test_defaults_are_valid_and_match_the_spec() -> None:
     assert cfg.preemption_mode == "auto"
     assert cfg.policy == "fcfs"
     assert cfg.aging_rate == 0.01
+    assert cfg.fair_share is True
     assert cfg.max_preemptions == 8
     assert cfg.max_waiting_requests == 4096
     assert cfg.enable_prefix_caching is True
@@ -93,6 +94,8 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("policy", "FCFS"),
     ("aging_rate", -0.5),
     ("aging_rate", math.inf),
+    ("fair_share", 1),
+    ("fair_share", "false"),
     ("max_preemptions", 0),
     ("max_waiting_requests", 0),
     ("enable_prefix_caching", 1),
@@ -406,6 +409,7 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         preemption_mode="recompute",
         policy="priority",
         aging_rate=0.0,
+        fair_share=False,
         max_preemptions=1,
         max_waiting_requests=9,
         enable_prefix_caching=False,

@@ -71,6 +71,7 @@ def test_output_processor_streams_batched_deltas_then_finished(tokenizer: Tokeni
         proc.requests[rid] = ClientRequest(
             request_id=rid,
             client=b"c1",
+            owner=b"c1",
             stream=True,
             params=SamplingParams(max_tokens=8, stop=("lo",) if rid == "b" else ()),
             prompt_token_ids=[1, 2],

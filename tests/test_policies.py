@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler_svc.policies import (
+    FairShareRounds,
     FcfsOrder,
     PreemptionCostModel,
     PriorityOrder,
@@ -19,7 +20,9 @@ from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
 
-def make_request(*, priority: int = 0, arrival_step: int = 0, arrival_seq: int = 1) -> Request:
+def make_request(
+    *, priority: int = 0, arrival_step: int = 0, arrival_seq: int = 1, client: str = ""
+) -> Request:
     return Request(
         f"r{arrival_seq}",
         [1, 2, 3],
@@ -28,6 +31,7 @@ def make_request(*, priority: int = 0, arrival_step: int = 0, arrival_seq: int =
         arrival_step=arrival_step,
         arrival_seq=arrival_seq,
         max_output_tokens=16,
+        client=client,
     )
 
 
@@ -84,6 +88,138 @@ def test_make_queue_order_follows_the_policy() -> None:
     order = make_queue_order(SchedulerConfig(policy="priority", aging_rate=0.25))
     assert isinstance(order, PriorityOrder)
     assert order.aging_rate == 0.25
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_make_queue_order_follows_fair_share(policy: str, fair_share: bool) -> None:
+    order = make_queue_order(SchedulerConfig(policy=policy, fair_share=fair_share))  # type: ignore[arg-type]
+    assert isinstance(order, FcfsOrder | PriorityOrder)
+    assert order.fair_share is fair_share
+
+
+# --------------------------------------------------------------------------- fair share
+
+
+class Arrivals:
+    """Requests submitted in turn, their rounds from one ``FairShareRounds``."""
+
+    def __init__(self, order: FcfsOrder | PriorityOrder) -> None:
+        self.order = order
+        self.rounds = FairShareRounds()
+        self.count = 0
+
+    def submit(self, client: str, *, priority: int = 0, arrival_step: int = 0) -> Request:
+        self.count += 1
+        request = make_request(
+            priority=priority, arrival_step=arrival_step, arrival_seq=self.count, client=client
+        )
+        request.fair_round = self.rounds.arrive(self.order.priority_term(request), client)
+        return request
+
+    def sorted_ids(self, requests: list[Request]) -> list[str]:
+        return queue_order(self.order, requests)
+
+
+def queue_order(order: FcfsOrder | PriorityOrder, requests: list[Request]) -> list[str]:
+    return [r.request_id for r in sorted(requests, key=lambda r: order.key(r, 0))]
+
+
+@pytest.mark.parametrize("order", [FcfsOrder(fair_share=True), PriorityOrder(0.0, fair_share=True)])
+def test_fair_share_keys_interleave_two_clients(order: FcfsOrder | PriorityOrder) -> None:
+    arrivals = Arrivals(order)
+    heavy = [arrivals.submit("heavy") for _ in range(5)]
+    light = [arrivals.submit("light") for _ in range(2)]
+    assert [r.fair_round for r in heavy] == [0, 1, 2, 3, 4]
+    assert [r.fair_round for r in light] == [0, 1]
+    h, lt = [r.request_id for r in heavy], [r.request_id for r in light]
+    assert arrivals.sorted_ids(heavy + light) == [h[0], lt[0], h[1], lt[1], h[2], h[3], h[4]]
+    assert order.key(heavy[2], 1) == (0.0, 2, 3, 1)
+    # Off: strict arrival order.
+    assert queue_order(FcfsOrder(), heavy + light) == h + lt
+
+
+def test_fair_share_keeps_each_client_fifo() -> None:
+    arrivals = Arrivals(FcfsOrder(fair_share=True))
+    requests = [arrivals.submit(c) for c in "abacbbcaab"]
+    order = arrivals.sorted_ids(requests)
+    for client in "abc":
+        mine = [r.request_id for r in requests if r.client == client]
+        assert [i for i in order if i in mine] == mine
+
+
+@pytest.mark.parametrize(
+    ("fair", "plain"),
+    [
+        (FcfsOrder(fair_share=True), FcfsOrder()),
+        (PriorityOrder(0.5, fair_share=True), PriorityOrder(0.5)),
+    ],
+)
+def test_fair_share_with_one_client_is_arrival_order(
+    fair: FcfsOrder | PriorityOrder, plain: FcfsOrder | PriorityOrder
+) -> None:
+    arrivals = Arrivals(fair)
+    # Priority 1 at step 0 and priority 0 at step 2 tie on the aged term 1.0.
+    requests = [
+        arrivals.submit("", priority=p, arrival_step=a)
+        for p, a in [(2, 0), (1, 0), (0, 0), (1, 1), (0, 2), (2, 2), (0, 2)]
+    ]
+    assert arrivals.sorted_ids(requests) == queue_order(plain, requests)
+
+
+def test_fair_share_rounds_are_per_priority() -> None:
+    arrivals = Arrivals(PriorityOrder(0.0, fair_share=True))
+    backlog = [arrivals.submit("heavy", priority=1) for _ in range(5)]
+    urgent = arrivals.submit("heavy", priority=0)
+    assert urgent.fair_round == 0  # its priority-1 backlog does not push it back
+    arrivals.rounds.admitted(0.0, urgent.fair_round)
+    light = arrivals.submit("light", priority=1)
+    # Admitting the urgent one does not push other clients' priority-1 requests back.
+    assert light.fair_round == 0
+    ids = arrivals.sorted_ids([*backlog, urgent, light])
+    assert ids[:3] == [urgent.request_id, backlog[0].request_id, light.request_id]
+
+
+def test_an_idle_client_rejoins_at_the_current_round() -> None:
+    rounds = FairShareRounds()
+    assert [rounds.arrive(0.0, "a") for _ in range(10)] == list(range(10))
+    assert rounds.arrive(0.0, "b") == 0
+    rounds.depart(0.0, "b")
+    for fair_round in range(7):
+        rounds.admitted(0.0, fair_round)
+    assert rounds.virtual_round(0.0) == 6
+    # Back after idling: the current round, not the round it would have had (1).
+    assert rounds.arrive(0.0, "b") == 6
+    assert rounds.arrive(0.0, "b") == 7
+    rounds.admitted(0.0, 3)  # a preempted request re-admitted: the virtual round stays
+    assert rounds.virtual_round(0.0) == 6
+    # A client with requests still queued keeps its place: no jump back.
+    assert rounds.arrive(0.0, "a") == 10
+
+
+def test_an_active_client_behind_the_virtual_round_gets_no_credit() -> None:
+    rounds = FairShareRounds()
+    assert rounds.arrive(0.0, "light") == 0  # still unfinished (say, a long stream)
+    for _ in range(20):
+        rounds.admitted(0.0, rounds.arrive(0.0, "heavy"))
+    assert rounds.arrive(0.0, "light") == 19
+
+
+def test_fair_share_state_is_dropped_without_unfinished_requests() -> None:
+    rounds = FairShareRounds()
+    rounds.arrive(0.0, "a")
+    rounds.arrive(0.0, "a")
+    rounds.arrive(0.0, "b")
+    rounds.arrive(1.5, "a")
+    rounds.admitted(1.5, 0)
+    assert len(rounds) == 3
+    rounds.depart(0.0, "a")
+    rounds.depart(1.5, "a")
+    assert len(rounds) == 2
+    assert rounds.virtual_round(1.5) == 0  # the term is gone with its last request
+    rounds.depart(0.0, "b")
+    rounds.depart(0.0, "a")
+    assert len(rounds) == 0
 
 
 # --------------------------------------------------------------------------- victims

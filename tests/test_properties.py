@@ -63,6 +63,7 @@ def traces(draw: st.DrawFn, min_count: int = 1, max_arrival: int = 6) -> list[Tr
                 n=draw(st.sampled_from([1, 1, 2, 3])),
                 eos_at=draw(st.none() | st.integers(1, 8)),
                 abort_step=draw(st.none() | st.integers(arrival, arrival + 12)),
+                client=draw(st.sampled_from([None, "a", "b", "c"])),
             )
         )
     return requests

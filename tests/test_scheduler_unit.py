@@ -51,6 +51,7 @@ class Harness:
         prompt: int | list[int],
         *,
         priority: int = 0,
+        client: str = "",
         **params: object,
     ) -> Request:
         tokens = self.model.prompt(request_id, prompt) if isinstance(prompt, int) else prompt
@@ -60,6 +61,7 @@ class Harness:
             tokens,
             SamplingParams(**params),  # type: ignore[arg-type]
             priority=priority,
+            client=client,
         )
         self.requests[request_id] = request
         return request
@@ -194,6 +196,14 @@ def test_rejects_a_non_integer_priority() -> None:
     with pytest.raises(RejectedError) as info:
         h.sched.add_request("r", [1, 2], SamplingParams(), priority=1.5)  # type: ignore[arg-type]
     assert info.value.code == "invalid"
+
+
+def test_rejects_a_non_string_client() -> None:
+    h = Harness()
+    with pytest.raises(RejectedError) as info:
+        h.sched.add_request("r", [1, 2], SamplingParams(), client=7)  # type: ignore[arg-type]
+    assert info.value.code == "invalid"
+    assert len(h.sched.fair_share) == 0
 
 
 # --------------------------------------------------------------------------- chunked prefill
@@ -887,4 +897,150 @@ def test_worker_lost_while_its_swap_out_was_in_flight() -> None:
     restart_worker(h)
     h.check()
     h.run()
+    h.assert_reference_outputs()
+
+
+def test_a_request_in_two_failed_steps_is_quarantined_the_others_go_on() -> None:
+    h = Harness()
+    h.add("a", 10, max_tokens=20)
+    h.step()
+    h.sched.schedule()  # "a" is in the step a worker dies in
+    assert h.sched.on_worker_lost() == []  # first failure: re-queued
+    restart_worker(h)
+    assert h.requests["a"].num_failed_steps == 1
+    h.step()
+    h.add("b", 10, max_tokens=6)  # came after the first failure
+    h.sched.schedule()
+    quarantined = h.sched.on_worker_lost()
+    restart_worker(h)
+    assert quarantined == [h.requests["a"]]
+    assert h.requests["a"].finish_reason is FinishReason.ABORT
+    assert "a" not in h.sched.requests
+    assert h.requests["b"].num_failed_steps == 1
+    h.check()
+    h.run()
+    assert h.requests["b"].finish_reason is FinishReason.LENGTH
+    assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
+
+
+def test_a_worker_lost_between_steps_counts_against_nobody() -> None:
+    h = Harness()
+    h.add("a", 10, max_tokens=6)
+    h.step()
+    for _ in range(3):
+        assert h.sched.on_worker_lost() == []
+        restart_worker(h)
+    assert h.requests["a"].num_failed_steps == 0
+    h.run()
+    h.assert_reference_outputs()
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused() -> None:
+    cfg = SchedulerConfig(block_size=BS, num_gpu_blocks=16, max_model_len=64)
+    sched = Scheduler(cfg, eos_token_ids=[2], kv_bytes_per_block=1, vocab_size=100)
+    sched.add_request("ok", [1, 99], SamplingParams(max_tokens=2))
+    for token in (100, 10**9, 2**64 - 1):
+        with pytest.raises(RejectedError, match=rf"token id {token} \(position 2\)") as refused:
+            sched.add_request(f"bad-{token}", [1, 5, token], SamplingParams(max_tokens=2))
+        assert refused.value.code == "invalid"
+        assert "vocabulary [0, 100)" in refused.value.message
+    assert list(sched.requests) == ["ok"]
+
+
+# --------------------------------------------------------------------------- fair share
+
+HEAVY_REQUESTS = 100
+HEAVY_TOKENS = 50
+
+
+def light_client_waits(fair_share: bool) -> list[int]:
+    """A heavy client queues 100 long requests (4 run at a time), then a light client
+    sends 3 short ones; the steps from their submission to their end."""
+    h = Harness(max_num_seqs=4, fair_share=fair_share)
+    for index in range(HEAVY_REQUESTS):
+        h.add(f"h{index}", 4, client="heavy", max_tokens=HEAVY_TOKENS, ignore_eos=True)
+    for _ in range(3):
+        h.step()
+    submitted = h.sched.step
+    light = [h.add(f"l{i}", 4, client="light", max_tokens=2, ignore_eos=True) for i in range(3)]
+    waits: dict[str, int] = {}
+    while len(waits) < len(light):
+        _, _, outcome = h.step()
+        for request in outcome.finished_requests:
+            if request.client == "light":
+                waits[request.request_id] = h.sched.step - submitted
+    for request in light:
+        assert request.finish_reason == FinishReason.LENGTH
+    return [waits[r.request_id] for r in light]
+
+
+def test_fair_share_admits_a_light_client_at_the_next_free_slots() -> None:
+    # The running heavy requests end within 50 steps; the light ones take the next
+    # slots, whatever the size of the heavy backlog.
+    waits = light_client_waits(fair_share=True)
+    assert max(waits) <= 3 * HEAVY_TOKENS
+
+
+def test_without_fair_share_a_light_client_waits_behind_the_heavy_backlog() -> None:
+    waits = light_client_waits(fair_share=False)
+    # 96 heavy requests were queued ahead of them, 4 at a time, 50 steps each.
+    assert min(waits) >= (HEAVY_REQUESTS - 4) // 4 * HEAVY_TOKENS
+
+
+def test_fair_share_interleaves_clients_at_admission() -> None:
+    h = Harness(max_num_seqs=1)
+    for index in range(3):
+        h.add(f"a{index}", 4, client="a", max_tokens=1)
+    for index in range(2):
+        h.add(f"b{index}", 4, client="b", max_tokens=1)
+    admitted: list[str] = []
+    while h.sched.has_work():
+        plan, _, _ = h.step()
+        admitted += [seq.seq_id for seq in plan.new_seqs]
+    assert admitted == ["a0", "b0", "a1", "b1", "a2"]
+    h.assert_reference_outputs()
+
+
+def test_fair_share_state_is_dropped_when_a_client_has_nothing_unfinished() -> None:
+    h = Harness(max_num_seqs=2)
+    h.add("a0", 4, client="a", max_tokens=3)
+    h.add("a1", 4, client="a", max_tokens=3)
+    h.add("b0", 4, client="b", max_tokens=3, n=2)
+    h.add("c0", 4, client="c", max_tokens=3)
+    rejected(h, "c0", 4, max_tokens=3)  # a duplicate id: no state of its own
+    assert len(h.sched.fair_share) == 3
+    h.sched.abort("c0")
+    assert len(h.sched.fair_share) == 2
+    h.run()
+    assert len(h.sched.fair_share) == 0
+    del h.requests["c0"]
+    h.assert_reference_outputs()
+    # A client back after the others were served starts at the current round.
+    h.add("a2", 4, client="a", max_tokens=1)
+    h.step()
+    h.add("a3", 4, client="a", max_tokens=1)
+    again = h.add("c1", 4, client="c", max_tokens=1)
+    assert again.fair_round == h.sched.fair_share.virtual_round(0.0)
+    h.run()
+    assert len(h.sched.fair_share) == 0
+
+
+def test_fair_share_does_not_preempt_a_running_request_of_equal_priority() -> None:
+    # Under the priority policy a new arrival may preempt running requests ranked
+    # after it; a light client's request at the same priority never ranks ahead of a
+    # running one, so it waits for a free slot instead of preempting.
+    h = Harness(max_num_seqs=2, policy="priority", aging_rate=0.0)
+    for index in range(6):
+        h.add(f"h{index}", 8, client="heavy", max_tokens=8)
+    h.step()
+    assert len(h.sched.running) == 2  # every slot is taken
+    light = h.add("l0", 4, client="light", max_tokens=2)
+    plan, _, _ = h.step()
+    assert h.sched.report.preempted == []
+    assert "l0" not in plan.num_scheduled_tokens
+    queued = [seq.seq_id for seq in h.sched.waiting]
+    assert queued[0] == "l0"  # but it is first in line, ahead of the heavy backlog
+    h.run()
+    assert light.finished
+    assert sum(h.sched.preemptions.values()) == 0
     h.assert_reference_outputs()

@@ -181,9 +181,19 @@ def test_units_keep_the_daemons_able_to_share_ipc() -> None:
     assert "PrivateDevices" not in worker  # would hide /dev/nvidia*
     assert "ProtectClock" not in worker  # implies DeviceAllow=, locking out the GPU
     assert "CUDA_VISIBLE_DEVICES=%i" in worker["Environment"]
-    assert worker["BindsTo"] == worker["After"] == [SCHEDULER_UNIT]
+    # Workers stop after the scheduler (the reverse of start order), so it can drain.
+    assert worker["BindsTo"] == worker["Before"] == [SCHEDULER_UNIT]
+    assert "After" not in worker
+    assert scheduler["TimeoutStopSec"] == ["40"]  # shutdown_timeout_s (30) + 10 s
     # Enabled workers come back whenever the scheduler (re)starts, crash restarts included.
     assert set(worker["WantedBy"][0].split()) == {TARGET_UNIT, SCHEDULER_UNIT}
+
+
+def test_scheduler_unit_removes_its_stale_swap_segment_when_stopped() -> None:
+    """ExecStopPost= runs however the daemon ended (SIGKILL, OOM killer included)."""
+    scheduler = _unit_settings(SCHEDULER_UNIT)
+    assert scheduler["ExecStopPost"] == [f"{INSTALLED_BINARY} cleanup-shm"]
+    assert "ExecStopPost" not in _unit_settings(WORKER_TEMPLATE)  # the scheduler owns it
 
 
 # --------------------------------------------------------------------------- example config
@@ -208,6 +218,9 @@ def test_example_config_parses() -> None:
         "worker_timeout_s": 5.0,
         "worker_wait_s": 60.0,
         "step_timeout_s": 600.0,
+        "shutdown_timeout_s": 30.0,
+        "max_frame_bytes": 64 * 1024 * 1024,
+        "max_prompt_bytes": 1024 * 1024,
     }
 
 
