@@ -1,16 +1,17 @@
 """Runs batch plans on a Hugging Face checkpoint over the paged KV cache.
 
-One :meth:`ModelRunner.execute` per plan: forget freed sequences, swap out, swap in,
-copy-on-write, then one packed forward over every scheduled token, the LM head over
-each sampled sequence's last position only, and the sampler. The runner keeps each
-sequence's tokens and block table between steps, so plans carry deltas only.
+One :meth:`ModelRunner.execute` per plan, in named steps: apply the plan to the
+sequence state (:class:`ipc.plan_state.WorkerState`, which keeps each sequence's
+tokens and block table between steps, so plans carry deltas only), swap out, swap in,
+copy-on-write, prepare the packed inputs, one forward over every scheduled token, then
+the LM head over each sampled sequence's last position only and the sampler.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from gpu_worker import attention
 from gpu_worker.kv_cache import KVCache, KVLayout
 from gpu_worker.sampler import Sampler, make_generator
+from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
@@ -27,19 +29,21 @@ from shared.swap_pool import SwapPoolSegment
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-class WorkerStateError(RuntimeError):
-    """A plan that contradicts the runner's state (a scheduler/worker protocol bug)."""
-
-
 @dataclass(slots=True)
-class _RunnerSeq:
-    request_id: str
-    sample_index: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
-    params: SamplingParams
+class StepInputs:
+    """One packed forward: every scheduled token side by side, sequence by sequence."""
+
+    token_ids: list[int] = field(default_factory=list)
+    slot_positions: list[list[int]] = field(default_factory=list)
+    """Per sequence, the positions of its new tokens (their K/V slots)."""
+    tables: list[list[int]] = field(default_factory=list)
+    """Per sequence, its block table."""
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    """Offset of each sequence's first token in the packed batch, then the total."""
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for seq_positions in self.slot_positions for p in seq_positions]
 
 
 def _seed_for(seed: int, position: int) -> int:
@@ -113,7 +117,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool)
         self.sampler = Sampler()
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
-        self.seqs: dict[str, _RunnerSeq] = {}
+        self.state = WorkerState()
 
     @property
     def vocab_size(self) -> int:
@@ -128,14 +132,14 @@ class ModelRunner:
         """Blocks that fit beside the weights and a forward at the full token budget."""
         probe = KVCache(self.layout, -(-max_tokens // self.block_size), self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        positions = list(range(max_tokens))
         self._forward(
-            [0] * max_tokens,
-            positions,
-            [positions],
+            StepInputs(
+                token_ids=[0] * max_tokens,
+                slot_positions=[list(range(max_tokens))],
+                tables=[list(range(probe.num_blocks))],
+                query_start_loc=[0, max_tokens],
+            ),
             probe,
-            [list(range(probe.num_blocks))],
-            [0, max_tokens],
         )
         peak = torch.cuda.max_memory_allocated(self.device)
         del probe
@@ -150,21 +154,14 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def _forward(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        slot_positions: list[list[int]],
-        cache: KVCache,
-        tables: list[list[int]],
-        query_start_loc: list[int],
-    ) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Hidden states of every packed token."""
         device = self.device
         bs = self.block_size
+        tables = inputs.tables
         slots = [
             table[p // bs] * bs + p % bs
-            for table, seq_positions in zip(tables, slot_positions, strict=True)
+            for table, seq_positions in zip(tables, inputs.slot_positions, strict=True)
             for p in seq_positions
         ]
         width = max(len(t) for t in tables)
@@ -174,121 +171,34 @@ class ModelRunner:
                 [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
             ),
             seq_lens=torch.tensor(
-                [p[-1] + 1 for p in slot_positions], dtype=torch.int32, device=device
+                [p[-1] + 1 for p in inputs.slot_positions], dtype=torch.int32, device=device
             ),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=device),
             layer_caches=cache.layer_caches,
         )
         with torch.inference_mode():
             out = self.model.model(
-                input_ids=torch.tensor([token_ids], dtype=torch.int64, device=device),
-                position_ids=torch.tensor([positions], dtype=torch.int64, device=device),
+                input_ids=torch.tensor([inputs.token_ids], dtype=torch.int64, device=device),
+                position_ids=torch.tensor([inputs.positions], dtype=torch.int64, device=device),
                 use_cache=False,
                 expeditor_meta=meta,
             )
         return out.last_hidden_state[0]
 
-    def _seq(self, seq_id: str) -> _RunnerSeq:
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise WorkerStateError(f"plan names unknown sequence {seq_id!r}")
-        return seq
-
     def execute(self, plan: BatchPlan) -> StepResult:
         started = time.perf_counter()
-        for seq_id in plan.freed_seq_ids:
-            self.seqs.pop(seq_id, None)
+        batch = self.state.apply(plan)
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy(plan.copies)
         swapped = time.perf_counter()
-        for new in plan.new_seqs:
-            # Full data replaces any state held for that id: after another rank was lost,
-            # the scheduler resends every sequence and this rank's old state is stale.
-            self.seqs[new.seq_id] = _RunnerSeq(
-                request_id=new.request_id,
-                sample_index=new.sample_index,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                num_computed_tokens=new.num_computed_tokens,
-                block_ids=list(new.block_ids),
-                params=new.sampling,
-            )
-        for update in plan.block_updates:
-            seq = self._seq(update.seq_id)
-            seq.block_ids.extend(update.appended)
-            for index, block in update.replaced:
-                seq.block_ids[index] = block
-        if not plan.num_scheduled_tokens:
+        if not batch:
             return StepResult(step=plan.step, sampled_token_ids={})
-
-        batch = [(self._seq(sid), n) for sid, n in plan.num_scheduled_tokens.items()]
-        token_ids: list[int] = []
-        positions: list[list[int]] = []
-        query_start_loc = [0]
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            if n < 1 or start + n > len(seq.token_ids):
-                raise WorkerStateError(
-                    f"{seq.request_id}: {n} tokens scheduled at {start} of {len(seq.token_ids)}"
-                )
-            token_ids.extend(seq.token_ids[start : start + n])
-            positions.append(list(range(start, start + n)))
-            query_start_loc.append(query_start_loc[-1] + n)
-        hidden = self._forward(
-            token_ids,
-            [p for seq_positions in positions for p in seq_positions],
-            positions,
-            self.kv_cache,
-            [seq.block_ids for seq, _ in batch],
-            query_start_loc,
-        )
+        inputs = self._prepare_inputs(batch)
+        hidden = self._forward(inputs, self.kv_cache)
         forwarded = time.perf_counter()
-
-        rows: list[int] = []
-        params: list[SamplingParams] = []
-        generators: list[torch.Generator | None] = []
-        masked: list[list[int]] = []
-        owners: list[str] = []
-        for index, ((seq, n), seq_id) in enumerate(
-            zip(batch, plan.num_scheduled_tokens, strict=True)
-        ):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue
-            num_output = len(seq.token_ids) - seq.num_prompt_tokens
-            p = seq.params
-            banned: list[int] = []
-            if num_output < p.min_tokens:
-                banned = list(p.stop_token_ids)
-                banned.extend(self.eos_token_ids)
-            samples = [seq.sample_index, *range(1, plan.num_samples.get(seq_id, 1))]
-            for sample_index in samples:
-                rows.append(query_start_loc[index + 1] - 1)
-                params.append(p)
-                generators.append(
-                    None
-                    if p.seed is None
-                    else make_generator(
-                        _seed_for(p.seed, len(seq.token_ids)), sample_index, self.device
-                    )
-                )
-                masked.append(banned)
-                owners.append(seq_id)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[dict[int, float]]] | None = None
-        if rows:
-            with torch.inference_mode():
-                logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
-            out = self.sampler.sample(logits, params, generators, masked)
-            for row, seq_id in enumerate(owners):
-                sampled.setdefault(seq_id, []).append(out.token_ids[row])
-                entry = out.logprobs[row] if out.logprobs is not None else None
-                if entry is not None:
-                    logprobs = logprobs or {}
-                    logprobs.setdefault(seq_id, []).append(entry)
-            for seq_id, tokens in sampled.items():
-                self.seqs[seq_id].token_ids.append(tokens[0])
+        sampled, logprobs = self._sample(batch, inputs, hidden)
+        self.state.append_sampled(sampled)
         done = time.perf_counter()
         return StepResult(
             step=plan.step,
@@ -301,6 +211,62 @@ class ModelRunner:
                 total_s=done - started,
             ),
         )
+
+    @staticmethod
+    def _prepare_inputs(batch: list[ScheduledSeq]) -> StepInputs:
+        inputs = StepInputs()
+        for item in batch:
+            seq = item.seq
+            inputs.token_ids.extend(seq.token_ids[item.start : item.end])
+            inputs.slot_positions.append(list(item.positions))
+            inputs.tables.append(seq.block_ids)
+            inputs.query_start_loc.append(inputs.query_start_loc[-1] + item.num_tokens)
+        return inputs
+
+    def _sample(
+        self, batch: list[ScheduledSeq], inputs: StepInputs, hidden: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
+        """Draw every due token: one row per sample, from its sequence's last position."""
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        masked: list[list[int]] = []
+        owners: list[str] = []
+        for index, item in enumerate(batch):
+            if not item.num_samples:
+                continue
+            seq = item.seq
+            p = seq.sampling
+            banned: list[int] = []
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                banned.extend(self.eos_token_ids)
+            for sample_index in item.sample_indices:
+                rows.append(inputs.query_start_loc[index + 1] - 1)
+                params.append(p)
+                generators.append(
+                    None
+                    if p.seed is None
+                    else make_generator(
+                        _seed_for(p.seed, len(seq.token_ids)), sample_index, self.device
+                    )
+                )
+                masked.append(banned)
+                owners.append(seq.seq_id)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] | None = None
+        if not rows:
+            return sampled, logprobs
+        with torch.inference_mode():
+            logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
+        out = self.sampler.sample(logits, params, generators, masked)
+        for row, seq_id in enumerate(owners):
+            sampled.setdefault(seq_id, []).append(out.token_ids[row])
+            entry = out.logprobs[row] if out.logprobs is not None else None
+            if entry is not None:
+                logprobs = logprobs or {}
+                logprobs.setdefault(seq_id, []).append(entry)
+        return sampled, logprobs
 
 
 def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> list[int]:

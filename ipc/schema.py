@@ -9,7 +9,10 @@ Plans are deltas: a sequence the worker has no state for (new, resumed after swa
 recompute, or just forked from its n>1 parent) is sent in full as :class:`NewSeq`;
 a sequence the worker already knows only sends its block-table changes
 (:class:`BlockUpdate`) and its token count in ``num_scheduled_tokens``. Tokens the
-worker itself sampled are never sent back to it.
+worker itself sampled are never sent back to it. After a worker was lost the
+scheduler requeues every sequence and resends each as :class:`NewSeq`; that plan has
+``reset=True`` so a surviving worker forgets everything it held first. The worker side
+of this protocol, strictly checked, is :mod:`ipc.plan_state`.
 
 A worker executes one plan in this order: ``swap_out`` (device -> CPU pool),
 ``swap_in`` (CPU pool -> device), ``copies`` (copy-on-write, device -> device), then
@@ -108,6 +111,10 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True, tag="plan", tag_field
     block_updates: list[BlockUpdate] = []
     freed_seq_ids: list[str] = []
     """Sequences finished, aborted or preempted since the last plan: drop their state."""
+    reset: bool = False
+    """Forget every sequence before applying this plan: the first plan after a worker
+    was lost, which resends every sequence as NewSeq (a surviving worker's state is
+    stale)."""
     swap_out: list[tuple[int, int]] = []
     """(device block, CPU pool block) copies, done first."""
     swap_in: list[tuple[int, int]] = []

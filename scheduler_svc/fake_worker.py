@@ -4,10 +4,11 @@ The fake model's next token is a pure function of (request, sample, output index
 every sequence's correct output is known in advance whatever the batching, chunking,
 prefix caching, preemption or forking (:meth:`FakeModel.reference_output`).
 
-The fake worker keeps its own per-sequence state from the plan deltas and a fake KV
-cache holding, per slot, the token whose K/V a real cache would hold there. It runs a
-plan's copies in the worker's order, writes each scheduled token into its slot, and
-with ``verify_kv`` reads back every context slot the attention would read: a wrong
+The fake worker applies plans to the model runner's sequence state
+(:class:`ipc.plan_state.WorkerState`, with the same strict protocol checks) and keeps
+a fake KV cache holding, per slot, the token whose K/V a real cache would hold there.
+It runs a plan's copies in the worker's order, writes each scheduled token into its
+slot, and with ``verify_kv`` reads back every context slot the attention would read: a wrong
 block table, a missing copy-on-write or a bad swap fails loudly with the position.
 """
 
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from ipc.plan_state import WorkerSeq, WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, StepResult
 from shared.sampling import SamplingParams
 
@@ -92,21 +93,6 @@ class FakeModel:
                 return out, "length"
 
 
-class WorkerStateError(RuntimeError):
-    """The plan contradicts what the worker holds (a scheduler bug)."""
-
-
-@dataclass(slots=True)
-class _WorkerSeq:
-    request_id: str
-    sample_index: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
-    min_tokens: int
-
-
 class FakeWorker:
     def __init__(
         self,
@@ -122,14 +108,19 @@ class FakeWorker:
         self.verify_kv = verify_kv
         self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
         self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
-        self.seqs: dict[str, _WorkerSeq] = {}
+        self.state = WorkerState()
         self.swapped_blocks = 0
+
+    @property
+    def seqs(self) -> dict[str, WorkerSeq]:
+        """The sequences the worker holds, by id."""
+        return self.state.seqs
 
     def _copy(self, src: list[int], src_block: int, dst: list[int], dst_block: int) -> None:
         bs = self.block_size
         dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
 
-    def _slot(self, seq: _WorkerSeq, position: int) -> int:
+    def _slot(self, seq: WorkerSeq, position: int) -> int:
         bs = self.block_size
         index = position // bs
         if index >= len(seq.block_ids):
@@ -137,9 +128,7 @@ class FakeWorker:
         return seq.block_ids[index] * bs + position % bs
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        for seq_id in plan.freed_seq_ids:
-            if self.seqs.pop(seq_id, None) is None:
-                raise WorkerStateError(f"freed unknown sequence {seq_id}")
+        batch = self.state.apply(plan)
         for gpu_block, cpu_block in plan.swap_out:
             self._copy(self.gpu_kv, gpu_block, self.cpu_kv, cpu_block)
         for cpu_block, gpu_block in plan.swap_in:
@@ -147,61 +136,32 @@ class FakeWorker:
         self.swapped_blocks += len(plan.swap_out) + len(plan.swap_in)
         for src, dst in plan.copies:
             self._copy(self.gpu_kv, src, self.gpu_kv, dst)
-        for new in plan.new_seqs:
-            if new.seq_id in self.seqs:
-                raise WorkerStateError(f"new sequence {new.seq_id} is already known")
-            self.seqs[new.seq_id] = _WorkerSeq(
-                request_id=new.request_id,
-                sample_index=new.sample_index,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                num_computed_tokens=new.num_computed_tokens,
-                block_ids=list(new.block_ids),
-                min_tokens=new.sampling.min_tokens,
-            )
-        for update in plan.block_updates:
-            seq = self._get(update.seq_id)
-            seq.block_ids.extend(update.appended)
-            for index, block in update.replaced:
-                seq.block_ids[index] = block
 
         # Forward: store every new token's K/V, then let attention read the contexts.
-        batch = [(self._get(sid), n) for sid, n in plan.num_scheduled_tokens.items()]
-        for seq, num_new in batch:
-            start = seq.num_computed_tokens
-            if num_new < 1 or start + num_new > len(seq.token_ids):
-                raise WorkerStateError(
-                    f"{seq.request_id}: {num_new} tokens scheduled at {start} of "
-                    f"{len(seq.token_ids)}"
-                )
-            for position in range(start, start + num_new):
-                self.gpu_kv[self._slot(seq, position)] = seq.token_ids[position]
+        for item in batch:
+            for position in item.positions:
+                self.gpu_kv[self._slot(item.seq, position)] = item.seq.token_ids[position]
         if self.verify_kv:
-            for seq, num_new in batch:
-                self._verify(seq, seq.num_computed_tokens + num_new)
+            for item in batch:
+                self._verify(item.seq, item.end)
 
-        sampled: dict[str, list[int]] = {}
-        for (seq, num_new), seq_id in zip(batch, plan.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue
-            num_output = len(seq.token_ids) - seq.num_prompt_tokens
-            samples = [seq.sample_index, *range(1, plan.num_samples.get(seq_id, 1))]
-            tokens = [
-                self.model.next_token(seq.request_id, index, num_output, seq.min_tokens)
-                for index in samples
+        sampled = {
+            item.seq.seq_id: [
+                self.model.next_token(
+                    item.seq.request_id,
+                    index,
+                    item.seq.num_output_tokens,
+                    item.seq.sampling.min_tokens,
+                )
+                for index in item.sample_indices
             ]
-            seq.token_ids.append(tokens[0])
-            sampled[seq_id] = tokens
+            for item in batch
+            if item.num_samples
+        }
+        self.state.append_sampled(sampled)
         return StepResult(step=plan.step, sampled_token_ids=sampled)
 
-    def _get(self, seq_id: str) -> _WorkerSeq:
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise WorkerStateError(f"plan names unknown sequence {seq_id}")
-        return seq
-
-    def _verify(self, seq: _WorkerSeq, context_len: int) -> None:
+    def _verify(self, seq: WorkerSeq, context_len: int) -> None:
         kv = self.gpu_kv
         for position in range(context_len):
             held = kv[self._slot(seq, position)]

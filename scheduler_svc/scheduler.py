@@ -138,6 +138,8 @@ class Scheduler(IntrospectionMixin):
         """Index of the next step to schedule."""
         self._arrivals = 0
         self._freed_seq_ids: list[str] = []
+        self._reset_workers = False
+        """The next plan must tell workers to forget everything (a worker was lost)."""
         self._cpu_release: list[int] = []
         self._inflight: list[tuple[Sequence, int]] | None = None
         self._inflight_swap_outs: list[Sequence] = []
@@ -359,12 +361,14 @@ class Scheduler(IntrospectionMixin):
             new_seqs=step.new_seqs,
             block_updates=step.block_updates,
             freed_seq_ids=self._freed_seq_ids,
+            reset=self._reset_workers,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
             copies=step.copies,
             num_samples=step.num_samples,
         )
         self._freed_seq_ids = []
+        self._reset_workers = False
         self._inflight = step.inflight
         self._inflight_swap_outs = step.swapped_out
         self._last_plan_tokens = cfg.max_num_batched_tokens - budget
@@ -637,6 +641,7 @@ class Scheduler(IntrospectionMixin):
         self.running.clear()
         self._running_forks = 0
         self._freed_seq_ids = []
+        self._reset_workers = True
         self.kv.pool.reset_prefix_cache()
         quarantined = []
         for request in suspects:

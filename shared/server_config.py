@@ -1,98 +1,144 @@
-"""The daemons' own settings: the ``[server]`` table, ``EXPEDITOR_<FIELD>`` env vars and
-flags (same precedence as the scheduler config: flags > env > file > defaults)."""
+"""The daemons' own settings: the ``[server]`` table, declared once.
+
+As for the scheduler config (:mod:`shared.config`), each field's type, default, bounds
+and help live in its declaration; the TOML table, ``EXPEDITOR_<FIELD>`` env vars, flags
+and :func:`server_config_to_toml` derive from it (:mod:`shared.config_fields`). Rules
+that tie fields together (CURVE settings, endpoints, frame and prompt limits) are
+checked in ``__post_init__``.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, ClassVar
 
-import msgspec
+from msgspec import Meta
 
+from shared.config_fields import Check, Settings, load_settings, settings_to_toml
 from shared.errors import ConfigError
 
 SUPERVISED_ENV = "EXPEDITOR_SUPERVISED"
 """Set to 1 by ``expeditor serve`` for its children: they leave Ctrl-C (SIGINT, which a
 terminal sends to the whole process group) to the supervisor, which stops them in order."""
 
-SERVER_FIELD_HELP: dict[str, str] = {
-    "model": "Checkpoint directory (Hugging Face layout); empty = the embedded tiny model.",
-    "frontend": "Client endpoint: ipc://PATH, or ipc://@NAME / tcp://HOST:PORT with CURVE.",
-    "worker_endpoint": "Endpoint workers connect to, like frontend.",
-    "workers": "Worker processes (ranks) expected; each runs every plan.",
-    "device": "Worker device: auto, cpu, cuda or cuda:N.",
-    "gpu_memory_utilization": "Share of GPU memory a CUDA worker may use (weights + KV cache).",
-    "client_timeout_s": "A client silent this long while it has requests is gone: abort them.",
-    "worker_timeout_s": "A worker silent this long (no heartbeat) is lost.",
-    "worker_wait_s": "After losing every worker, requests wait this long for one, then fail.",
-    "restart_workers": "serve: restart a worker that died (else its requests fail).",
-    "step_timeout_s": "A worker that owes a step this long (heartbeats or not) is hung: killed.",
-    "shutdown_timeout_s": "On SIGTERM, requests in flight get this long to finish; the rest fail.",
-    "max_frame_bytes": "Largest client frame; a client that sends a bigger one is disconnected.",
-    "max_prompt_bytes": "Longest text prompt in UTF-8 bytes (refused as bad_request beyond).",
-    "curve_server_key": "CURVE: the server's certificate from `expeditor keygen` (the scheduler "
-    "needs NAME.key_secret; workers and serve may give either file).",
-    "curve_client_key": "CURVE: a client's secret certificate (NAME.key_secret), used by "
-    "workers and by serve's health checks; its public key must be allow-listed.",
-    "curve_authorized_clients": "CURVE: directory of the public certificates (*.key) that "
-    "may connect; read at start.",
-    "insecure_tcp": "Allow tcp:// on loopback without CURVE: ANY local user can then "
-    "submit, inspect and abort requests.",
-}
+_DEVICE = Check(
+    lambda device: device in ("auto", "cpu", "cuda") or device.startswith("cuda:"),
+    "auto, cpu, cuda or cuda:N",
+)
 
 
-class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model: str = ""
-    frontend: str = ""
-    worker_endpoint: str = ""
-    workers: int = 1
-    device: Literal["auto", "cpu", "cuda"] | str = "auto"
-    gpu_memory_utilization: float = 0.9
-    client_timeout_s: float = 10.0
-    worker_timeout_s: float = 5.0
-    worker_wait_s: float = 60.0
-    restart_workers: bool = True
-    step_timeout_s: float = 600.0
-    shutdown_timeout_s: float = 30.0
-    max_frame_bytes: int = 64 * 1024 * 1024
-    max_prompt_bytes: int = 1024 * 1024
-    curve_server_key: str = ""
-    curve_client_key: str = ""
-    curve_authorized_clients: str = ""
-    insecure_tcp: bool = False
+def _seconds(description: str) -> Meta:
+    """A duration: a positive (finite) number of seconds."""
+    return Meta(gt=0, description=description)
+
+
+class ServerConfig(Settings, frozen=True):
+    """Endpoints, workers, timeouts, limits and CURVE keys of ``serve``, the scheduler
+    and the workers. Direct construction validates too, like :class:`SchedulerConfig`."""
+
+    TABLE: ClassVar[str] = "server"
+
+    model: Annotated[
+        str,
+        Meta(
+            description="Checkpoint directory (Hugging Face layout); empty = the embedded "
+            "tiny model."
+        ),
+    ] = ""
+    frontend: Annotated[
+        str,
+        Meta(
+            description="Client endpoint: ipc://PATH, or ipc://@NAME / tcp://HOST:PORT with CURVE."
+        ),
+    ] = ""
+    worker_endpoint: Annotated[
+        str, Meta(description="Endpoint workers connect to, like frontend.")
+    ] = ""
+    workers: Annotated[
+        int, Meta(ge=1, description="Worker processes (ranks) expected; each runs every plan.")
+    ] = 1
+    device: Annotated[
+        str, Meta(description="Worker device: auto, cpu, cuda or cuda:N."), _DEVICE
+    ] = "auto"
+    gpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="Share of GPU memory a CUDA worker may use (weights + KV cache).",
+        ),
+    ] = 0.9
+    client_timeout_s: Annotated[
+        float, _seconds("A client silent this long while it has requests is gone: abort them.")
+    ] = 10.0
+    worker_timeout_s: Annotated[
+        float, _seconds("A worker silent this long (no heartbeat) is lost.")
+    ] = 5.0
+    worker_wait_s: Annotated[
+        float, _seconds("After losing every worker, requests wait this long for one, then fail.")
+    ] = 60.0
+    restart_workers: Annotated[
+        bool, Meta(description="serve: restart a worker that died (else its requests fail).")
+    ] = True
+    step_timeout_s: Annotated[
+        float, _seconds("A worker that owes a step this long (heartbeats or not) is hung: killed.")
+    ] = 600.0
+    shutdown_timeout_s: Annotated[
+        float,
+        _seconds("On SIGTERM, requests in flight get this long to finish; the rest fail."),
+    ] = 30.0
+    max_frame_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Largest client frame; a client that sends a bigger one is disconnected.",
+        ),
+    ] = 64 * 1024 * 1024
+    max_prompt_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Longest text prompt in UTF-8 bytes (refused as bad_request beyond).",
+        ),
+    ] = 1024 * 1024
+    curve_server_key: Annotated[
+        str,
+        Meta(
+            description="CURVE: the server's certificate from `expeditor keygen` (the scheduler "
+            "needs NAME.key_secret; workers and serve may give either file)."
+        ),
+    ] = ""
+    curve_client_key: Annotated[
+        str,
+        Meta(
+            description="CURVE: a client's secret certificate (NAME.key_secret), used by "
+            "workers and by serve's health checks; its public key must be allow-listed."
+        ),
+    ] = ""
+    curve_authorized_clients: Annotated[
+        str,
+        Meta(
+            description="CURVE: directory of the public certificates (*.key) that may "
+            "connect; read at start."
+        ),
+    ] = ""
+    insecure_tcp: Annotated[
+        bool,
+        Meta(
+            description="Allow tcp:// on loopback without CURVE: ANY local user can then "
+            "submit, inspect and abort requests."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ConfigError(f"workers: must be >= 1, got {self.workers}", field="workers")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(
-                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
-                field="gpu_memory_utilization",
-            )
-        for name in (
-            "client_timeout_s",
-            "worker_timeout_s",
-            "worker_wait_s",
-            "step_timeout_s",
-            "shutdown_timeout_s",
-        ):
-            value = getattr(self, name)
-            if not value > 0 or value == float("inf"):
-                raise ConfigError(f"{name}: must be a positive number, got {value}", field=name)
-        for name in ("max_frame_bytes", "max_prompt_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}", field=name)
+        super().__post_init__()
         if self.max_prompt_bytes >= self.max_frame_bytes:
             raise ConfigError(
                 f"max_prompt_bytes ({self.max_prompt_bytes}) must be below max_frame_bytes "
                 f"({self.max_frame_bytes})",
                 field="max_prompt_bytes",
-            )
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(
-                f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}", field="device"
             )
         for name, other in (
             ("curve_server_key", "curve_authorized_clients"),
@@ -121,7 +167,6 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 SERVER_FIELDS: tuple[str, ...] = ServerConfig.__struct_fields__
-
 
 SERVER_CURVE_HINT = "set curve_server_key and curve_authorized_clients"
 
@@ -173,71 +218,17 @@ def check_endpoint(
             )
 
 
-def _env_value(name: str, raw: str) -> object:
-    kind = ServerConfig.__annotations__[name]
-    if "bool" in str(kind):
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: expected a boolean, got {raw!r}")
-    if "int" in str(kind):
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
-    if "float" in str(kind):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
-    return raw
-
-
 def load_server_config(
     path: str | os.PathLike[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
 ) -> ServerConfig:
-    values: dict[str, object] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as handle:
-                table = tomllib.load(handle).get("server", {})
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {os.fspath(path)}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from None
-        for key in table:
-            if key not in SERVER_FIELDS:
-                raise ConfigError(
-                    f"{os.fspath(path)}: unknown key {key!r} in [server]; valid keys: "
-                    + ", ".join(SERVER_FIELDS)
-                )
-        values.update(table)
-    env = os.environ if env is None else env
-    for name in SERVER_FIELDS:
-        raw = env.get(f"EXPEDITOR_{name.upper()}")
-        if raw is not None:
-            values[name] = _env_value(name, raw)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    try:
-        return msgspec.convert(values, ServerConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"[server] {exc}") from None
+    """The server settings from file, environment and flags; see
+    :func:`shared.config_fields.load_settings`."""
+    return load_settings(ServerConfig, path, env=env, overrides=overrides)
 
 
 def server_config_to_toml(cfg: ServerConfig) -> str:
-    lines = ["[server]"]
-    for name in SERVER_FIELDS:
-        value = getattr(cfg, name)
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        else:
-            text = repr(value)
-        lines.append(f"{name} = {text}")
-    return "\n".join(lines) + "\n"
+    """``cfg`` as a commented ``[server]`` table that :func:`load_server_config` reads back."""
+    return settings_to_toml(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import pytest
@@ -14,9 +15,9 @@ from shared.config import (
     SCHEDULER_FIELDS,
     config_to_toml,
     env_var_name,
-    field_type,
     flag_name,
 )
+from shared.config_fields import field_spec
 
 
 def write_config(tmp_path: Path, text: str) -> Path:
@@ -149,12 +150,23 @@ def test_msgspec_decoding_validates_and_rejects_bool_for_int() -> None:
         msgspec.json.decode(b'{"nonsense": 1}', type=SchedulerConfig)
 
 
-def test_field_type() -> None:
-    assert field_type("block_size") is int
-    assert field_type("watermark") is float
-    assert field_type("enable_prefix_caching") is bool
-    with pytest.raises(ConfigError, match="bock_size"):
-        field_type("bock_size")
+def test_field_spec_reads_the_declaration() -> None:
+    block_size = field_spec(SchedulerConfig, "block_size")
+    assert (block_size.kind, block_size.default, block_size.optional) == (int, 16, False)
+    assert block_size.help == FIELD_HELP["block_size"]
+    assert field_spec(SchedulerConfig, "watermark").kind is float
+    assert field_spec(SchedulerConfig, "enable_prefix_caching").kind is bool
+    assert field_spec(SchedulerConfig, "num_gpu_blocks").optional
+    policy = field_spec(SchedulerConfig, "policy")
+    assert policy.kind is str and get_args(policy.value_type) == ("fcfs", "priority")
+    with pytest.raises(ConfigError, match="did you mean 'block_size'"):
+        field_spec(SchedulerConfig, "bock_size")
+
+
+def test_defaults_come_from_the_declaration() -> None:
+    cfg = SchedulerConfig()
+    for name in SCHEDULER_FIELDS:
+        assert getattr(cfg, name) == field_spec(SchedulerConfig, name).default
 
 
 def test_names_of_env_vars_and_flags() -> None:

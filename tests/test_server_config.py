@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
+from shared.config import SCHEDULER_FIELDS
+from shared.config_fields import help_texts
 from shared.errors import ConfigError
-from shared.server_config import ServerConfig, load_server_config, server_config_to_toml
+from shared.server_config import (
+    SERVER_FIELDS,
+    ServerConfig,
+    load_server_config,
+    server_config_to_toml,
+)
 
 
 def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
@@ -139,3 +147,120 @@ def test_file_errors(tmp_path: Path) -> None:
         load_server_config(tmp_path / "none.toml", env={})
     with pytest.raises(ConfigError, match="expected an integer"):
         load_server_config(env={"EXPEDITOR_WORKERS": "many"})
+
+
+# --------------------------------------------------------------------------- per-field checks
+
+BAD_VALUES: list[tuple[str, object]] = [
+    ("model", 3),
+    ("frontend", "http://x"),
+    ("worker_endpoint", "w.sock"),
+    ("workers", 0),
+    ("workers", True),
+    ("device", "tpu"),
+    ("gpu_memory_utilization", 0.0),
+    ("gpu_memory_utilization", 1.5),
+    ("client_timeout_s", 0.0),
+    ("worker_timeout_s", math.inf),
+    ("worker_wait_s", -1.0),
+    ("restart_workers", "yes"),
+    ("step_timeout_s", math.nan),
+    ("shutdown_timeout_s", "30"),
+    ("max_frame_bytes", 0),
+    ("max_prompt_bytes", 0),
+    ("curve_server_key", None),
+    ("curve_client_key", 1),
+    ("curve_authorized_clients", b"keys"),
+    ("insecure_tcp", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_bad_value_is_rejected_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}: ") as info:
+        ServerConfig(**{field: value})  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_every_field_has_a_bad_value_case() -> None:
+    assert {field for field, _ in BAD_VALUES} == set(SERVER_FIELDS)
+
+
+def test_messages_from_the_declared_bounds() -> None:
+    cases = [
+        ({"workers": 0}, "workers: must be a positive integer, got 0"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization: must be in (0, 1], got 1.5"),
+        ({"worker_timeout_s": 0}, "worker_timeout_s: must be > 0, got 0.0"),
+        ({"device": "tpu"}, "device: must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    ]
+    for values, message in cases:
+        with pytest.raises(ConfigError) as info:
+            ServerConfig(**values)  # type: ignore[arg-type]
+        assert str(info.value) == message
+    assert ServerConfig(device="cuda:1", client_timeout_s=3).client_timeout_s == 3.0
+
+
+def test_errors_name_the_layer(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nworkers = "2"\n')
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path, env={})
+    assert str(info.value) == f"workers: expected an integer, got '2' (from {path} [server])"
+    with pytest.raises(ConfigError) as info:
+        load_server_config(env={"EXPEDITOR_DEVICE": "tpu"})
+    assert info.value.source == "environment variable EXPEDITOR_DEVICE"
+    assert info.value.field == "device"
+    with pytest.raises(ConfigError, match=r"^max_frame_bytes: .* \(from flag --max-frame-bytes\)$"):
+        load_server_config(env={}, overrides={"max_frame_bytes": -1})
+    with pytest.raises(ConfigError, match=r"unknown override 'worker'.*did you mean 'workers'"):
+        load_server_config(env={}, overrides={"worker": 2})
+
+
+def test_unknown_file_key_suggests_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nworkerz = 1\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'workers'.*valid keys: model, ") as info:
+        load_server_config(path, env={})
+    assert info.value.field == "workerz" and info.value.source == str(path)
+
+
+def test_prompt_limit_below_frame_limit() -> None:
+    with pytest.raises(ConfigError, match=r"^\[server\] max_prompt_bytes \(64\) must be below"):
+        load_server_config(
+            env={"EXPEDITOR_MAX_FRAME_BYTES": "64", "EXPEDITOR_MAX_PROMPT_BYTES": "64"}
+        )
+
+
+def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
+    cfg = ServerConfig(
+        model="m\n\u00e9",
+        frontend="tcp://0.0.0.0:5555",
+        worker_endpoint="ipc://@w",
+        workers=3,
+        device="cuda:1",
+        gpu_memory_utilization=0.5,
+        client_timeout_s=1.5,
+        worker_timeout_s=2.0,
+        worker_wait_s=3.0,
+        restart_workers=False,
+        step_timeout_s=4.0,
+        shutdown_timeout_s=5.0,
+        max_frame_bytes=1000,
+        max_prompt_bytes=999,
+        curve_server_key="s.key_secret",
+        curve_client_key="c.key_secret",
+        curve_authorized_clients="ok",
+        insecure_tcp=True,
+    )
+    assert all(getattr(cfg, name) != getattr(ServerConfig(), name) for name in SERVER_FIELDS)
+    text = server_config_to_toml(cfg)
+    for name, help_text in help_texts(ServerConfig).items():
+        assert f"# {help_text}\n{name} = " in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_server_config(path, env={}) == cfg
+
+
+def test_tables_share_no_field_name() -> None:
+    """Both tables read EXPEDITOR_<FIELD> and --field flags: a name in both would clash."""
+    assert not set(SERVER_FIELDS) & set(SCHEDULER_FIELDS)

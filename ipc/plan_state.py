@@ -1,0 +1,169 @@
+"""The worker half of the plan protocol: what a worker knows of each sequence, and
+how one :class:`~ipc.schema.BatchPlan` changes it.
+
+Plans are deltas (see :mod:`ipc.schema`), so a worker holds every sequence between
+steps: its tokens, how many of them have K/V in the cache, its block table and its
+sampling parameters. :meth:`WorkerState.apply` applies a plan's state changes in the
+protocol's order, ``reset`` (forget everything), ``freed_seq_ids``, ``new_seqs``,
+``block_updates``, then the scheduled token counts, and returns the step's batch:
+which sequences run, at which positions, and how many tokens each samples. After the
+forward the worker hands the sampled tokens to :meth:`WorkerState.append_sampled`.
+
+The protocol is strict: a plan that frees, updates or schedules a sequence the worker
+does not hold, sends a :class:`~ipc.schema.NewSeq` for one it already holds, schedules
+past a sequence's known tokens or asks for samples where none are due raises
+:class:`WorkerStateError` (a scheduler bug; the state is then unspecified, and a
+worker daemon reports the error and exits). The one case where a worker receives full
+data for sequences it may still hold is after another worker was lost: the scheduler
+requeues everything and resends it as ``NewSeq``, and marks that plan ``reset=True``
+so a surviving worker drops its stale state first (a fresh one holds none).
+
+No torch here: the fake worker of the simulator and the model runner share this code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ipc.schema import BatchPlan, NewSeq
+from shared.sampling import SamplingParams
+
+__all__ = ["ScheduledSeq", "WorkerSeq", "WorkerState", "WorkerStateError"]
+
+
+class WorkerStateError(RuntimeError):
+    """A plan that contradicts the worker's state (a scheduler/worker protocol bug)."""
+
+
+@dataclass(slots=True)
+class WorkerSeq:
+    """One sequence as a worker holds it between steps."""
+
+    seq_id: str
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    """Prompt, then every output token known so far (sampled ones appended)."""
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    """Tokens whose K/V are in the cache (this step's scheduled ones included once
+    :meth:`WorkerState.apply` returned)."""
+    block_ids: list[int]
+    sampling: SamplingParams
+
+    @classmethod
+    def from_new(cls, new: NewSeq) -> WorkerSeq:
+        return cls(
+            seq_id=new.seq_id,
+            request_id=new.request_id,
+            sample_index=new.sample_index,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_computed_tokens=new.num_computed_tokens,
+            block_ids=list(new.block_ids),
+            sampling=new.sampling,
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``start..end-1`` are computed."""
+
+    seq: WorkerSeq
+    start: int
+    num_tokens: int
+    num_samples: int
+    """0 unless the step reaches the end of the known tokens (a non-final prefill chunk
+    samples nothing); then 1, or n on the step that forks an n>1 request."""
+
+    @property
+    def end(self) -> int:
+        """Context length after the step: the positions attention reads."""
+        return self.start + self.num_tokens
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.end)
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """The sample index of each token to draw: the sequence's own first, then the
+        samples it forks (1..n-1; the parent of a fork is sample 0)."""
+        if not self.num_samples:
+            return []
+        return [self.seq.sample_index, *range(1, self.num_samples)]
+
+
+class WorkerState:
+    """Every sequence a worker holds, updated plan by plan."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[str, WorkerSeq] = {}
+
+    def get(self, seq_id: str) -> WorkerSeq:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise WorkerStateError(f"plan names unknown sequence {seq_id!r}")
+        return seq
+
+    def apply(self, plan: BatchPlan) -> list[ScheduledSeq]:
+        """Apply the plan's state changes; return its batch in plan order.
+
+        Each scheduled sequence's ``num_computed_tokens`` already counts the step's
+        tokens when this returns.
+        """
+        if plan.reset:
+            self.seqs.clear()
+        for seq_id in plan.freed_seq_ids:
+            if self.seqs.pop(seq_id, None) is None:
+                raise WorkerStateError(f"plan frees unknown sequence {seq_id!r}")
+        for new in plan.new_seqs:
+            if new.seq_id in self.seqs:
+                raise WorkerStateError(f"plan sends sequence {new.seq_id!r} again as new")
+            self.seqs[new.seq_id] = WorkerSeq.from_new(new)
+        for update in plan.block_updates:
+            seq = self.get(update.seq_id)
+            seq.block_ids.extend(update.appended)
+            for index, block in update.replaced:
+                if not 0 <= index < len(seq.block_ids):
+                    raise WorkerStateError(
+                        f"{update.seq_id!r}: block {index} replaced in a table of "
+                        f"{len(seq.block_ids)}"
+                    )
+                seq.block_ids[index] = block
+        for seq_id in plan.num_samples:
+            if seq_id not in plan.num_scheduled_tokens:
+                raise WorkerStateError(f"plan samples unscheduled sequence {seq_id!r}")
+        return [self._schedule(plan, seq_id, n) for seq_id, n in plan.num_scheduled_tokens.items()]
+
+    def _schedule(self, plan: BatchPlan, seq_id: str, num_tokens: int) -> ScheduledSeq:
+        seq = self.get(seq_id)
+        start = seq.num_computed_tokens
+        known = len(seq.token_ids)
+        if num_tokens < 1 or start + num_tokens > known:
+            raise WorkerStateError(
+                f"{seq_id!r}: {num_tokens} tokens scheduled at {start} of {known}"
+            )
+        seq.num_computed_tokens = start + num_tokens
+        reaches_end = seq.num_computed_tokens == known
+        num_samples = plan.num_samples.get(seq_id, 1) if reaches_end else 0
+        if seq_id in plan.num_samples and (not reaches_end or num_samples < 1):
+            raise WorkerStateError(
+                f"{seq_id!r}: {plan.num_samples[seq_id]} samples asked at {start + num_tokens} "
+                f"of {known} tokens"
+            )
+        return ScheduledSeq(seq, start, num_tokens, num_samples)
+
+    def append_sampled(self, sampled: Mapping[str, list[int]]) -> None:
+        """Append each sequence's own sampled token (the first; forked samples are new
+        sequences the scheduler sends in a later plan)."""
+        for seq_id, tokens in sampled.items():
+            seq = self.get(seq_id)
+            if seq.num_computed_tokens != len(seq.token_ids) or not tokens:
+                raise WorkerStateError(f"{seq_id!r}: sampled a token where none was due")
+            seq.token_ids.append(tokens[0])
