@@ -1,5 +1,10 @@
 """The in-process engine: scheduler core and one model runner, no sockets.
 
+It runs the daemon's step (:class:`~scheduler_svc.step_engine.StepEngine`, with the
+runner as an :class:`~scheduler_svc.step_engine.InlineExecutor`) and the daemon's
+output path (:class:`~scheduler_svc.outputs.OutputProcessor`: detokenization, stop
+strings, logprobs, n>1), so what it returns is what a client of the server gets.
+
 For tests, benchmarks and offline batch jobs::
 
     from gpu_worker.engine import LLM
@@ -11,6 +16,7 @@ For tests, benchmarks and offline batch jobs::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,13 +27,14 @@ from transformers import AutoTokenizer
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
 from gpu_worker.tiny_model import default_model_dir
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
-from scheduler_svc.request import Sequence as Sequence_
-from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from ipc.schema import Finished, ServerMessage
+from scheduler_svc.outputs import ClientRequest, OutputProcessor
+from scheduler_svc.request import RejectedError, Request
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_engine import InlineExecutor, StepEngine, StepRecord
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
-from shared.outputs import Completion, CompletionSample
+from shared.outputs import Completion
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
 
@@ -83,8 +90,14 @@ class LLM:
             kv_bytes_per_block=self.runner.layout.bytes_per_block,
             vocab_size=self.runner.vocab_size,
         )
+        # The runner is looked up at every step, so a test may wrap runner.execute.
+        self.engine = StepEngine(self.scheduler, InlineExecutor(lambda p: self.runner.execute(p)))
+        self.outputs = OutputProcessor(
+            self.tokenizer.backend_tokenizer, self._collect, self.engine.stop_seq
+        )
+        self.finished: dict[str, Completion] = {}
+        """Completions of requests queued with :meth:`add_request`, until taken."""
         self._next_id = 0
-        self._logprobs: dict[str, list[dict[int, float]]] = {}
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -107,78 +120,60 @@ class LLM:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise ValueError(f"{len(per_prompt)} params for {len(prompts)} prompts")
-        requests: list[Request] = []
+        request_ids: list[str] = []
         for index, prompt in enumerate(prompts):
             request_id = f"req-{self._next_id}"
             self._next_id += 1
             try:
-                requests.append(
-                    self.scheduler.add_request(
-                        request_id,
-                        self.encode(prompt),
-                        per_prompt[index],
-                        priority=priorities[index] if priorities else 0,
-                    )
+                self.add_request(
+                    request_id,
+                    self.encode(prompt),
+                    per_prompt[index],
+                    priority=priorities[index] if priorities else 0,
                 )
             except RejectedError as exc:
-                for request in requests:
-                    self.scheduler.abort(request.request_id)
+                for earlier in request_ids:
+                    self.scheduler.abort(earlier)
+                    self.outputs.requests.pop(earlier, None)
                 raise RejectedError(exc.code, f"prompt {index}: {exc.message}") from None
-        # Stop strings need text: each sequence that has some gets an incremental
-        # detokenizer, fed one token a step (the daemon's output path does the same).
-        stop_detoks: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs = {}
+            request_ids.append(request_id)
         while self.scheduler.has_work():
-            outcome = self.step()
-            for seq_id, entry in outcome.logprobs.items():
-                self._logprobs.setdefault(seq_id, []).append(entry)
-            for seq in outcome.advanced:
-                stops = seq.request.params.stop
-                if stops:
-                    detok = stop_detoks.get(seq.seq_id)
-                    if detok is None:
-                        detok = stop_detoks[seq.seq_id] = IncrementalDetokenizer(
-                            self.tokenizer.backend_tokenizer, stops
-                        )
-                    if not detok.stopped:
-                        detok.add(seq.token_ids[-1])
-                        if detok.stopped:
-                            self._stop(seq)
-        stop_texts = {sid: d.text for sid, d in stop_detoks.items() if d.stopped}
-        return [self._completion(request, stop_texts) for request in requests]
+            self.step()
+        return [self.finished.pop(request_id) for request_id in request_ids]
 
-    def step(self) -> UpdateOutcome:
-        """One step: schedule, run it on the model, apply the sampled tokens."""
-        return self.scheduler.update(self.runner.execute(self.scheduler.schedule()))
-
-    def _stop(self, seq: Sequence_) -> None:
-        """A stop string ended ``seq`` (possibly the step that also ended it otherwise)."""
-        if seq.status is SeqStatus.FINISHED:
-            seq.finish_reason = FinishReason.STOP
-        else:
-            self.scheduler.finish_seq(seq.seq_id, FinishReason.STOP)
-
-    def _completion(self, request: Request, stop_texts: dict[str, str]) -> Completion:
-        samples = []
-        for seq in sorted(request.seqs, key=lambda s: s.sample_index):
-            output = seq.output_token_ids
-            text = stop_texts.get(seq.seq_id)
-            if text is None:
-                text = str(self.tokenizer.decode(output, skip_special_tokens=True))
-            samples.append(
-                CompletionSample(
-                    index=seq.sample_index,
-                    token_ids=output,
-                    text=text,
-                    finish_reason=str(seq.finish_reason),
-                    logprobs=self._logprobs.get(seq.seq_id),
-                )
-            )
-        return Completion(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            samples=samples,
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Queue one request; drive :meth:`step` until its Completion is in
+        :attr:`finished` (pop it from there)."""
+        request = self.scheduler.add_request(
+            request_id, prompt_token_ids, params, priority=priority
         )
+        self.outputs.requests[request_id] = ClientRequest(
+            request_id=request_id,
+            client=b"",
+            owner=b"",
+            stream=False,
+            params=params,
+            prompt_token_ids=list(prompt_token_ids),
+            arrival=time.monotonic(),
+        )
+        return request
+
+    def step(self) -> StepRecord:
+        """One step (:class:`StepEngine`), its outputs processed as the daemon does:
+        detokenized, stop strings applied, finished requests collected."""
+        record = self.engine.step()
+        self.outputs.on_step(record.events)
+        return record
+
+    def _collect(self, client: bytes, message: ServerMessage) -> None:
+        if isinstance(message, Finished):
+            self.finished[message.request_id] = message.completion
 
     def close(self) -> None:
         self.runner.kv_cache.detach_swap_pool()

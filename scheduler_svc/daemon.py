@@ -2,9 +2,11 @@
 
 Tasks on one (uv)loop:
 - frontend: client frames in (Generate, Abort, Inspect, Health, Ping), replies out;
-- backend: worker frames in (join, hello, heartbeats, step results);
-- step loop: schedule -> send the plan to every worker -> await their results ->
-  update; it never waits on a client (sends are non-blocking);
+- backend: the workers' socket, run by :class:`RemoteExecutor` (joins, hellos,
+  heartbeats, results, losses), with this daemon as its host;
+- step loop: :meth:`StepEngine.step_async` (schedule -> the executor fans the plan
+  out and collects the results -> update); it never waits on a client (sends are
+  non-blocking);
 - outputs: detokenize, stop strings, Delta / Finished, while the next step runs;
 - housekeeping: lost workers, silent clients, the systemd watchdog.
 """
@@ -17,7 +19,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -28,41 +29,24 @@ from ipc.curve import CurveServer, endpoint_needs_curve
 from ipc.schema import (
     AttachSwapPool,
     Generate,
-    Heartbeat,
-    NewSeq,
-    Shutdown,
-    StepResult,
-    WorkerError,
     WorkerHello,
-    WorkerJoin,
     WorkerSetup,
-    encode,
-    worker_decoder,
 )
+from scheduler_svc import sdnotify
 from scheduler_svc.detokenizer import load_tokenizer
 from scheduler_svc.frontend import FrontendMixin
-from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
-from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
+from scheduler_svc.remote_executor import RemoteExecutor
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_engine import StepEngine
 from scheduler_svc.workers import WorkerHandle, WorkerRegistry
-from shared import sdnotify
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
 from shared.server_config import SUPERVISED_ENV, ServerConfig
 from shared.swap_pool import SwapPoolSegment, remove_stale_segments
 
 log = logging.getLogger("expeditor.scheduler")
-
-
-class WorkerLostError(RuntimeError):
-    pass
-
-
-@dataclass(slots=True)
-class _Inflight:
-    step: int
-    pending: set[bytes]
-    results: dict[int, StepResult] = field(default_factory=dict)
-    future: asyncio.Future[StepResult] | None = None
 
 
 def _model_max_len(model_dir: str) -> int | None:
@@ -110,7 +94,12 @@ class SchedulerDaemon(FrontendMixin):
                         address,
                     )
         self.registry = WorkerRegistry(server.workers, server.worker_timeout_s)
+        self.executor = RemoteExecutor(
+            self.backend, self.registry, self, step_timeout_s=server.step_timeout_s
+        )
         self.core: Scheduler | None = None
+        self.engine: StepEngine | None = None
+        """The core and the workers, once the first worker said hello."""
         self.outputs = OutputProcessor(None, self._send, self._stop_seq)
         self.model = server.model
         self.swap_pool: SwapPoolSegment | None = None
@@ -118,12 +107,11 @@ class SchedulerDaemon(FrontendMixin):
         """Requests that arrived before the first worker registered (no tokenizer yet)."""
         self.tokenizing: set[asyncio.Task[None]] = set()
         self.clients: dict[bytes, float] = {}
-        self.events: asyncio.Queue[StepEvents | tuple[str, str, str, str]] = asyncio.Queue()
+        self.events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
         self.wake = asyncio.Event()
         self.stop_event = asyncio.Event()
         self.signals = 0
         self.drain_cut = asyncio.Event()
-        self.inflight: _Inflight | None = None
         self.started = time.monotonic()
         self.loop_alive = self.started
         self.short_since: float | None = self.started
@@ -154,11 +142,6 @@ class SchedulerDaemon(FrontendMixin):
             raise ConfigError(f"cannot bind {address}: {exc}") from None
         return sock
 
-    # -- sending ---------------------------------------------------------------------------
-
-    def _send_worker(self, handle: WorkerHandle, message: msgspec.Struct) -> None:
-        self.backend.send_multipart([handle.identity, encode(message)])  # type: ignore[arg-type]
-
     # -- run -------------------------------------------------------------------------------
 
     async def run(self) -> int:
@@ -174,7 +157,7 @@ class SchedulerDaemon(FrontendMixin):
             asyncio.create_task(coro, name=name)
             for name, coro in (
                 ("frontend", self._frontend_loop()),
-                ("backend", self._backend_loop()),
+                ("backend", self.executor.run()),
                 ("steps", self._step_loop()),
                 ("outputs", self._output_loop()),
                 ("housekeeping", self._housekeeping_loop()),
@@ -222,7 +205,7 @@ class SchedulerDaemon(FrontendMixin):
         self.stopping = True
         sdnotify.stopping()
         while not self.events.empty():  # what the output task had not sent yet
-            self._output(self.events.get_nowait())
+            self.outputs.handle(self.events.get_nowait())
         if self.outputs.requests:
             log.warning("stopping with %d requests unfinished", len(self.outputs.requests))
         for request_id in list(self.outputs.requests):
@@ -232,8 +215,7 @@ class SchedulerDaemon(FrontendMixin):
                 "the server stopped before this request finished "
                 f"(shutdown_timeout_s={self.server.shutdown_timeout_s:g})",
             )
-        for handle in list(self.registry.workers.values()):
-            self._send_worker(handle, Shutdown())
+        self.executor.shutdown()
         await asyncio.sleep(0.05)
         for task in tasks:
             task.cancel()
@@ -246,86 +228,44 @@ class SchedulerDaemon(FrontendMixin):
         if self.swap_pool is not None:
             self.swap_pool.close()
 
-    # -- workers ---------------------------------------------------------------------------
+    # -- workers (the executor's host) ---------------------------------------------------
 
-    async def _backend_loop(self) -> None:
-        while True:
-            frames = await self.backend.recv_multipart()
-            if len(frames) != 2:
-                continue
-            identity, payload = frames
-            try:
-                message = worker_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("malformed worker frame: %s", exc)
-                continue
-            handle = self.registry.get(identity)
-            if handle is not None:
-                handle.last_seen = time.monotonic()
-            if isinstance(message, WorkerJoin):
-                self._on_join(identity, message)
-            elif handle is None:
-                continue  # a frame from a worker already declared lost
-            elif isinstance(message, WorkerHello):
-                self._on_hello(handle, message)
-            elif isinstance(message, StepResult):
-                self._on_result(handle, message)
-            elif isinstance(message, WorkerError):
-                log.error("worker rank %d: %s", message.rank, message.message)
-                self._lose(handle.identity)
-            elif isinstance(message, Heartbeat):
-                pass
-
-    def _on_join(self, identity: bytes, join: WorkerJoin) -> None:
-        try:
-            handle, replaced = self.registry.join(identity, join, time.monotonic())
-        except ValueError as exc:
-            log.error("refusing worker pid %d: %s", join.pid, exc)
-            self.backend.send_multipart([identity, encode(Shutdown())])
-            return
-        if replaced is not None:
-            self._on_lost(replaced)
-        log.info("worker rank %d (pid %d, %s) joined", join.rank, join.pid, join.device)
+    def worker_setup(self) -> WorkerSetup:
         blocks = self.core.config.num_gpu_blocks if self.core else self.config.num_gpu_blocks
-        self._send_worker(
-            handle,
-            WorkerSetup(
-                model=self.server.model,
-                block_size=self.config.block_size,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                num_gpu_blocks=blocks,
-                gpu_memory_utilization=self.server.gpu_memory_utilization,
-                swap_pool=self.swap_pool.name if self.swap_pool else None,
-            ),
+        return WorkerSetup(
+            model=self.server.model,
+            block_size=self.config.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            num_gpu_blocks=blocks,
+            gpu_memory_utilization=self.server.gpu_memory_utilization,
+            swap_pool=self.swap_pool.name if self.swap_pool else None,
         )
 
-    def _on_hello(self, handle: WorkerHandle, hello: WorkerHello) -> None:
+    def accept_hello(self, handle: WorkerHandle, hello: WorkerHello) -> str | None:
+        """The first hello sizes the core; later ones must match it."""
         if hello.block_size != self.config.block_size:
-            return self._reject_worker(handle, f"block_size {hello.block_size}")
+            return f"block_size {hello.block_size}"
         if self.core is None:
             self._create_core(hello)
             for other in self.registry.workers.values():
                 if other is not handle and self.swap_pool is not None:
-                    self._send_worker(other, AttachSwapPool(name=self.swap_pool.name))
+                    self.executor.send(other, AttachSwapPool(name=self.swap_pool.name))
         else:
             assert self.core.config.num_gpu_blocks is not None
             if hello.num_gpu_blocks < self.core.config.num_gpu_blocks:
-                return self._reject_worker(handle, f"only {hello.num_gpu_blocks} KV blocks")
+                return f"only {hello.num_gpu_blocks} KV blocks"
             if hello.kv_bytes_per_block != self.core.cost_model.kv_bytes_per_block:
-                return self._reject_worker(handle, "a different KV block size in bytes")
+                return "a different KV block size in bytes"
             if (hello.vocab_size or None) != self.core.vocab_size:
-                return self._reject_worker(handle, f"a vocabulary of {hello.vocab_size}")
+                return f"a vocabulary of {hello.vocab_size}"
         if self.swap_pool is not None and handle.hello is None:
-            self._send_worker(handle, AttachSwapPool(name=self.swap_pool.name))
-        self.registry.mark_ready(handle, hello)
-        log.info("worker rank %d ready: %d KV blocks", hello.rank, hello.num_gpu_blocks)
+            self.executor.send(handle, AttachSwapPool(name=self.swap_pool.name))
         self.wake.set()
         return None
 
-    def _reject_worker(self, handle: WorkerHandle, why: str) -> None:
-        log.error("worker rank %d does not match this server: %s", handle.rank, why)
-        self._send_worker(handle, Shutdown())
-        self.registry.drop(handle.identity)
+    def worker_lost_idle(self) -> None:
+        if self.engine is not None:
+            self._quarantine(self.engine.on_worker_lost())
 
     def _create_core(self, hello: WorkerHello) -> None:
         self.model = hello.model
@@ -344,101 +284,33 @@ class SchedulerDaemon(FrontendMixin):
             kv_bytes_per_block=hello.kv_bytes_per_block,
             vocab_size=hello.vocab_size or None,
         )
+        self.engine = StepEngine(self.core, self.executor)
         backlog, self.backlog = self.backlog, []
         for request, msg in backlog:
             self._submit(request, msg)
 
-    def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
-        inflight = self.inflight
-        if (
-            inflight is None
-            or result.step != inflight.step
-            or handle.identity not in inflight.pending
-        ):
-            return
-        inflight.pending.discard(handle.identity)
-        inflight.results[handle.rank] = result
-        if not inflight.pending and inflight.future is not None and not inflight.future.done():
-            inflight.future.set_result(inflight.results[min(inflight.results)])
-
-    def _kill_hung(self, inflight: _Inflight) -> None:
-        """Workers that still owe a step after step_timeout_s are hung (a stuck kernel
-        keeps heartbeats going): kill them, so serve or systemd starts fresh ones."""
-        for identity in list(inflight.pending):
-            handle = self.registry.drop(identity)
-            if handle is None:
-                continue
-            log.error(
-                "worker rank %d (pid %d) did not finish step %d in %g s: killing it",
-                handle.rank,
-                handle.pid,
-                inflight.step,
-                self.server.step_timeout_s,
-            )
-            try:
-                os.kill(handle.pid, signal.SIGKILL)
-            except OSError as exc:  # gone already, or not ours to kill
-                log.warning("could not kill pid %d: %s", handle.pid, exc)
-
-    def _lose(self, identity: bytes) -> None:
-        handle = self.registry.drop(identity)
-        if handle is not None:
-            self._on_lost(handle)
-
-    def _on_lost(self, handle: WorkerHandle) -> None:
-        """The device cache of a dropped worker is gone: fail the step in flight (the
-        step loop then re-queues), or re-queue now if idle."""
-        log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
-        if self.inflight is not None and self.inflight.future is not None:
-            if not self.inflight.future.done():
-                self.inflight.future.set_exception(WorkerLostError(f"rank {handle.rank}"))
-        elif self.core is not None:
-            self.core.on_worker_lost()
-
     # -- the step loop -------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self.loop_alive = time.monotonic()
-            core = self.core
-            ready = self.registry.ready()
-            if core is None or len(ready) < self.registry.expected or not core.has_work():
+            engine = self.engine
+            if engine is None or not self.executor.serving() or not engine.has_work():
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
                 continue
-            plan = core.schedule()
-            inflight = _Inflight(
-                plan.step, {w.identity for w in ready}, future=loop.create_future()
-            )
-            self.inflight = inflight
-            payload = encode(plan)
-            for handle in ready:
-                await self.backend.send_multipart([handle.identity, payload])
-            try:
-                assert inflight.future is not None
-                result = await asyncio.wait_for(
-                    asyncio.shield(inflight.future), timeout=self.server.step_timeout_s
-                )
-            except TimeoutError:
-                self._kill_hung(inflight)
-                self._step_failed(core)
-                continue
-            except WorkerLostError:
-                self._step_failed(core)
-                continue
-            self.inflight = None
-            outcome = core.update(result)
-            self.events.put_nowait(self._capture(plan.new_seqs, outcome))
+            record = await engine.step_async()
+            if record.result is None:  # lost: re-queued, unless quarantined
+                self._quarantine(record.quarantined)
+            else:
+                self.events.put_nowait(record.events)
 
-    def _step_failed(self, core: Scheduler) -> None:
-        """A worker died (or hung) inside the step in flight: re-queue its requests, and
-        fail those already in a step that failed before (quarantined)."""
-        self.inflight = None
-        for request in core.on_worker_lost():
+    def _quarantine(self, requests: list[Request]) -> None:
+        """Requests in two steps that workers died in: failed, never re-queued."""
+        for request in requests:
             log.error("request %s quarantined: workers died running it", request.request_id)
             self._end_request(
                 request.request_id,
@@ -447,33 +319,12 @@ class SchedulerDaemon(FrontendMixin):
                 "it is not retried",
             )
 
-    def _capture(self, new_seqs: list[NewSeq], outcome: UpdateOutcome) -> StepEvents:
-        return StepEvents(
-            tokens=[
-                (s.request.request_id, s.sample_index, s.seq_id, s.token_ids[-1])
-                for s in outcome.advanced
-            ],
-            finished_seqs=[
-                (s.request.request_id, s.sample_index, str(s.finish_reason))
-                for s in outcome.finished
-            ],
-            finished_requests=[r.request_id for r in outcome.finished_requests],
-            logprobs=outcome.logprobs,
-            scheduled_requests=[n.request_id for n in new_seqs],
-            time=time.monotonic(),
-        )
+    def _stop_seq(self, seq_id: str) -> str | None:
+        return self.engine.stop_seq(seq_id) if self.engine is not None else None
 
     async def _output_loop(self) -> None:
         while True:
-            self._output(await self.events.get())
-
-    def _output(self, item: StepEvents | tuple[str, str, str, str]) -> None:
-        if isinstance(item, StepEvents):
-            self.outputs.on_step(item)
-        elif item[0] == "finish":
-            self.outputs.finish(item[1], item[2])
-        else:
-            self.outputs.fail(item[1], item[2], item[3])
+            self.outputs.handle(await self.events.get())
 
     # -- housekeeping --------------------------------------------------------------------
 
@@ -483,8 +334,7 @@ class SchedulerDaemon(FrontendMixin):
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
-            for handle in self.registry.expire(now):
-                self._on_lost(handle)
+            self.executor.check(now)
             self._check_worker_wait(now)
             self._check_clients(now)
             if interval and now - last_ping >= interval and now - self.loop_alive < 2 * interval:

@@ -43,8 +43,8 @@ from ipc.schema import (
     client_decoder,
     encode,
 )
-from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
-from scheduler_svc.request import FinishReason, RejectedError
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
+from scheduler_svc.request import RejectedError
 
 if TYPE_CHECKING:
     from scheduler_svc.scheduler import Scheduler
@@ -103,7 +103,7 @@ class FrontendMixin:
     model: str
     backlog: list[tuple[ClientRequest, Generate]]
     clients: dict[bytes, float]
-    events: asyncio.Queue[StepEvents | tuple[str, str, str, str]]
+    events: asyncio.Queue[StepEvents | RequestEnded]
     wake: asyncio.Event
     started: float
     stopping: bool
@@ -255,21 +255,7 @@ class FrontendMixin:
         self.backlog = [(r, m) for r, m in self.backlog if r is not request]
         if self.core is not None:
             self.core.abort(request_id)
-        if code:
-            self.events.put_nowait(("fail", request_id, code, message))
-        else:
-            self.events.put_nowait(("finish", request_id, "abort", ""))
-
-    def _stop_seq(self, seq_id: str) -> None:
-        """A stop string ended a sample: end it in the core; finish the request if done."""
-        if self.core is None:
-            return
-        seq = self.core.seqs.get(seq_id)
-        if seq is None:
-            return
-        self.core.finish_seq(seq_id, FinishReason.STOP)
-        if seq.request.finished:
-            self.outputs.finish(seq.request.request_id)
+        self.events.put_nowait(RequestEnded(request_id, code, message))
 
     def _inspect(self) -> InspectReply:
         config = self.core.config if self.core is not None else self.config

@@ -24,7 +24,7 @@ def running_server(
         [
             sys.executable,
             "-m",
-            "scheduler_svc",
+            "expeditor",
             "serve",
             *(["--model", str(model)] if model is not None else []),
             *flags,

@@ -61,13 +61,25 @@ class ClientRequest:
     """Aborted or failed; its Finished / ErrorReply is on its way."""
 
 
+@dataclass(slots=True, frozen=True)
+class RequestEnded:
+    """A request ended outside a step (aborted, its client gone, failed): it gets
+    Finished with reason "abort", or, given a ``code``, ErrorReply(code, message)."""
+
+    request_id: str
+    code: str = ""
+    message: str = ""
+
+
 Send = Callable[[bytes, ServerMessage], None]
 
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer | None, send: Send, finish_seq: Callable[[str], None]
+        self, tokenizer: Tokenizer | None, send: Send, finish_seq: Callable[[str], str | None]
     ) -> None:
+        """``finish_seq(seq_id)`` ends a sample a stop string stopped and returns its
+        request id when that ended the request (see ``StepEngine.stop_seq``)."""
         self.tokenizer = tokenizer
         self.send = send
         self.finish_seq = finish_seq
@@ -89,6 +101,14 @@ class OutputProcessor:
             assert self.tokenizer is not None, "outputs before the tokenizer was loaded"
             detok = req.samples[index] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         return detok
+
+    def handle(self, item: StepEvents | RequestEnded) -> None:
+        if isinstance(item, StepEvents):
+            self.on_step(item)
+        elif item.code:
+            self.fail(item.request_id, item.code, item.message)
+        else:
+            self.finish(item.request_id)
 
     def on_step(self, events: StepEvents) -> None:
         now = events.time
@@ -149,7 +169,8 @@ class OutputProcessor:
             if req is not None:
                 req.reasons.setdefault(index, reason)
         for seq_id in stopped:  # after their last Delta went out
-            self.finish_seq(seq_id)
+            if (request_id := self.finish_seq(seq_id)) is not None:
+                self.finish(request_id)
         for request_id in events.finished_requests:
             self.finish(request_id)
 

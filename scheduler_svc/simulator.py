@@ -13,7 +13,6 @@ for fair share; absent = one anonymous client) are optional.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,12 +21,13 @@ from typing import Any
 
 import msgspec
 
-from scheduler_svc.bench.metrics import percentile, summarize
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.request import RejectedError
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
+from shared.stats import percentile, summarize
 
 DEFAULT_KV_BYTES_PER_BLOCK = 2 * 1024 * 1024
 """A 16-token block of an 8B GQA model (32 layers, 8 KV heads of 128, bf16)."""
@@ -128,6 +128,9 @@ class Simulation:
             verify_kv=verify_kv,
         )
         self.check = check_invariants
+        self.engine = StepEngine(
+            self.scheduler, InlineExecutor(self.worker.execute), check_invariants=check_invariants
+        )
         total_tokens = sum(
             (r.prompt_len or len(r.prompt_token_ids or ())) + r.max_tokens * r.n for r in trace
         )
@@ -152,7 +155,6 @@ class Simulation:
         requests = {}
         step_times: list[float] = []
         generated = 0
-        invariants_ok = True
         preempted_ids: set[str] = set()
 
         while pending or sched.has_work():
@@ -178,24 +180,15 @@ class Simulation:
                 if sched.abort(request_id):
                     record_finished.append({"id": request_id, "reason": "abort"})
 
-            started = time.perf_counter()
-            plan = sched.schedule()
-            scheduled_s = time.perf_counter() - started
-            step_result = self.worker.execute(plan)
-            started = time.perf_counter()
-            outcome = sched.update(step_result)
-            step_times.append(scheduled_s + time.perf_counter() - started)
+            record = self.engine.step()  # raises AssertionError on a broken invariant
+            plan, outcome = record.plan, record.outcome
+            step_times.append(record.schedule_s + record.update_s)
 
             generated += len(outcome.advanced)
             for request in outcome.finished_requests:
                 record_finished.append(
                     {"id": request.request_id, "reason": str(request.finish_reason)}
                 )
-            if self.check:
-                problems = sched.check_invariants()
-                if problems:
-                    invariants_ok = False
-                    raise AssertionError(f"step {step}: " + "; ".join(problems))
             report = sched.report
             preempted_ids.update(seq_id for seq_id, _ in report.preempted)
             if on_step is not None:
@@ -237,7 +230,7 @@ class Simulation:
                 str(p): {"max": max(w), "p99": percentile(w, 99)} for p, w in sorted(waits.items())
             },
             "step_time_us": summarize(micros) or {"mean": 0.0, "p50": 0.0, "p99": 0.0},
-            "invariants_ok": invariants_ok if self.check else None,
+            "invariants_ok": True if self.check else None,  # checked after every step
             "leftover_blocks": {
                 "gpu_in_use": sched.kv.pool.num_blocks - sched.kv.pool.num_free,
                 "cpu_in_use": sched.kv.cpu_pool.num_blocks - sched.kv.cpu_pool.num_free,

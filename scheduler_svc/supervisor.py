@@ -60,7 +60,7 @@ class Supervisor:
         command = [
             sys.executable,
             "-m",
-            "scheduler_svc",
+            "expeditor",
             *args,
             "--config",
             str(self.config_path),

@@ -17,7 +17,7 @@ are all there is to say about a field. From them come
   did-you-mean), ``EXPEDITOR_<FIELD>`` environment variables parsed by the declared
   type, and flag values, layered flags > env > file > defaults, each bad value reported
   with the layer it came from;
-* the ``--field-name`` flags and their help (``scheduler_svc/cli_options.py``);
+* the ``--field-name`` flags and their help (``expeditor/cli_options.py``);
 * :func:`settings_to_toml`, which writes each value under its help as a comment.
 
 Rules that tie fields together stay in the subclass's ``__post_init__``, after

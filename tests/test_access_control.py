@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from expeditor.cli import app
 from gpu_worker.daemon import run_worker
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
 from ipc.curve import CurveServer, check_serve_keys, client_curve_options, load_certificate
 from ipc.errors import ClientTimeoutError
-from scheduler_svc.cli import app
 from scheduler_svc.launch import running_server
 from shared.errors import ConfigError
 
@@ -47,7 +47,7 @@ def _serve(*flags: str) -> tuple[int, str]:
     """``expeditor serve`` expected to refuse its configuration before starting anything:
     (exit status, stderr with its line wrapping undone)."""
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "serve", *flags],
+        [sys.executable, "-m", "expeditor", "serve", *flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -251,7 +251,7 @@ def test_curve_admits_only_allow_listed_keys(model: Path, keys: dict[str, Path])
             EXPEDITOR_CURVE_CLIENT_KEY=str(keys["alice"]),
         )
         out = subprocess.run(
-            [sys.executable, "-m", "scheduler_svc", "inspect", "--address", address, "--json"],
+            [sys.executable, "-m", "expeditor", "inspect", "--address", address, "--json"],
             capture_output=True,
             text=True,
             timeout=60,

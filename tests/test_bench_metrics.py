@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from scheduler_svc.bench.metrics import (
+from expeditor.bench.metrics import (
     KVSample,
     RequestTimeline,
     TargetResult,
@@ -13,12 +13,11 @@ from scheduler_svc.bench.metrics import (
     e2e,
     itls,
     kv_stats,
-    percentile,
-    summarize,
     tpot,
     ttft,
 )
-from scheduler_svc.bench.workloads import skewed
+from expeditor.bench.workloads import skewed
+from shared.stats import percentile, summarize
 
 
 def _timeline(

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from scheduler_svc.bench.workloads import (
+from expeditor.bench.workloads import (
     BOS_TOKEN_ID,
     DEFAULT_VOCAB,
     WORKLOADS,
@@ -297,7 +297,7 @@ def test_make_workload(tmp_path: Path) -> None:
 
 def test_no_torch_or_transformers_import() -> None:
     code = (
-        "import sys, scheduler_svc.bench.workloads, scheduler_svc.bench.metrics;"
+        "import sys, expeditor.bench.workloads, expeditor.bench.metrics;"
         "bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import typer
 from msgspec import Meta
 from typer.testing import CliRunner
 
-from scheduler_svc.cli import app
-from scheduler_svc.cli_options import settings_options
+from expeditor.cli import app
+from expeditor.cli_options import settings_options
 from shared.config import SCHEDULER_FIELDS, SchedulerConfig
 from shared.config_fields import (
     Check,

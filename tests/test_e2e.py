@@ -86,7 +86,7 @@ async def _run_all(address: str) -> list[list[int]]:
 
 def _inspect(address: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "inspect", "--address", address, "--json"],
+        [sys.executable, "-m", "expeditor", "inspect", "--address", address, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -402,7 +402,7 @@ def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "scheduler_svc",
+            "expeditor",
             "scheduler",
             "--model",
             str(model),
@@ -435,7 +435,7 @@ def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
 
 def test_generate_and_inspect_commands(server) -> None:
     address, _ = server
-    run = [sys.executable, "-m", "scheduler_svc"]
+    run = [sys.executable, "-m", "expeditor"]
     out = subprocess.run(
         [*run, "generate", "--address", address, "Hi there", "--max-tokens", "5", "--json"],
         capture_output=True,
@@ -550,7 +550,7 @@ def test_random_frames_never_take_the_server_down(server) -> None:
 
 
 def test_serve_that_cannot_serve_exits_non_zero(tmp_path: Path) -> None:
-    run = [sys.executable, "-m", "scheduler_svc", "serve"]
+    run = [sys.executable, "-m", "expeditor", "serve"]
     missing = subprocess.run(
         [*run, "--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=60
     )
@@ -590,7 +590,7 @@ def test_a_worker_hung_inside_a_step_is_killed(model: Path, tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "scheduler_svc",
+            "expeditor",
             "scheduler",
             "--model",
             str(model),

@@ -229,8 +229,8 @@ def test_a_prompt_beyond_max_prompt_bytes_is_refused_before_tokenizing(server) -
 
 
 def test_a_long_prompt_is_tokenized_off_the_loop_and_memory_returns(server) -> None:
-    """A 2.4 MB prompt takes seconds to tokenize; a short request sent after it finishes
-    first, and the scheduler's memory comes back down."""
+    """A 2.4 MB prompt takes seconds to tokenize; pings and a short request sent after it
+    are answered first, and the scheduler's memory comes back down."""
     address, proc = server
     scheduler = _pid_of(proc, "scheduler")
     _serving(address)
@@ -246,9 +246,10 @@ def test_a_long_prompt_is_tokenized_off_the_loop_and_memory_returns(server) -> N
                 order.append("big")
 
             async def send_small() -> None:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05)
                 for _ in range(3):
-                    await small.generate(prompt_token_ids=[1, 5, 6], max_tokens=2)
+                    await small.ping()  # answered by the event loop the tokenizer left free
+                await small.generate(prompt_token_ids=[1, 5, 6], max_tokens=1)
                 order.append("small")
 
             await asyncio.gather(send_big(), send_small())
@@ -447,7 +448,7 @@ def test_quarantine_after_two_failed_steps(model: Path) -> None:
 def test_serve_under_ctrl_c_drains_too(model: Path) -> None:
     """SIGINT to the whole process group (a terminal's Ctrl-C) stops serve in order."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc", "serve", "--model", str(model)],
+        [sys.executable, "-m", "expeditor", "serve", "--model", str(model)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,

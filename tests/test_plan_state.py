@@ -12,6 +12,7 @@ from ipc.plan_state import WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, BlockUpdate, NewSeq
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -209,12 +210,13 @@ def test_the_survivor_finishes_every_request_exactly() -> None:
     survivor = FakeWorker(model, block_size=BS, num_gpu_blocks=32, num_cpu_blocks=0)
     params = SamplingParams(max_tokens=8, temperature=0, n=2)
     request = sched.add_request("r", model.prompt("r", 10), params)
+    engine = StepEngine(sched, InlineExecutor(survivor.execute), check_invariants=True)
     for _ in range(4):
-        sched.update(survivor.execute(sched.schedule()))
+        engine.step()
     survivor.execute(sched.schedule())  # run by the survivor, lost elsewhere
     sched.on_worker_lost()
-    while sched.has_work():
-        sched.update(survivor.execute(sched.schedule()))
+    while engine.has_work():
+        engine.step()
     assert survivor.seqs == {}
     for seq in request.seqs:
         want, reason = model.reference_output("r", seq.sample_index, 10, params, 64)

@@ -1,7 +1,9 @@
 """Deterministic scenarios: the real Scheduler stepping a FakeWorker that verifies K/V.
 
-Every step runs ``schedule() -> worker.execute(plan) -> update(result)`` and then checks
-the scheduler's invariants and the plan's budgets.
+Every step is a :class:`StepEngine` step (schedule, the fake worker, update) that checks
+the scheduler's invariants after planning and after the update; the plan's budgets are
+checked after it. Tests of one interleaving (a step lost, an abort while a step runs)
+call the core directly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
 from scheduler_svc.scheduler import Scheduler, UpdateOutcome, WorkerProtocolError
+from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -41,6 +44,11 @@ class Harness:
             num_gpu_blocks=self.cfg.num_gpu_blocks or 0,
             num_cpu_blocks=self.cfg.num_cpu_blocks,
             verify_kv=True,
+        )
+        self.engine = StepEngine(
+            self.sched,
+            InlineExecutor(lambda plan: self.worker.execute(plan)),
+            check_invariants=True,
         )
         self.plans: list[BatchPlan] = []
         self.requests: dict[str, Request] = {}
@@ -74,13 +82,11 @@ class Harness:
             assert sum(s.slots_needed for s in self.sched.running) <= self.cfg.max_num_seqs
 
     def step(self) -> tuple[BatchPlan, StepResult, UpdateOutcome]:
-        plan = self.sched.schedule()
-        self.check(plan)
-        result = self.worker.execute(plan)
-        outcome = self.sched.update(result)
-        self.plans.append(plan)
-        self.check(plan)
-        return plan, result, outcome
+        record = self.engine.step()  # checks the invariants after planning and updating
+        self.plans.append(record.plan)
+        self.check(record.plan)
+        assert record.result is not None
+        return record.plan, record.result, record.outcome
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):

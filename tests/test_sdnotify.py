@@ -1,4 +1,4 @@
-"""shared.sdnotify against a real AF_UNIX datagram socket standing in for systemd."""
+"""scheduler_svc.sdnotify against a real AF_UNIX datagram socket standing in for systemd."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import sdnotify
+from scheduler_svc import sdnotify
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs AF_UNIX sockets")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from scheduler_svc.cli import app
+from expeditor.cli import app
 from scheduler_svc.simulator import TraceError, parse_trace
 from scheduler_svc.traces import generate_trace
 

@@ -7,6 +7,7 @@ import msgspec
 from ipc.schema import SchedulerSnapshot, decode, encode
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -30,8 +31,7 @@ def make() -> tuple[Scheduler, FakeWorker]:
 
 
 def step(sched: Scheduler, worker: FakeWorker) -> None:
-    sched.update(worker.execute(sched.schedule()))
-    assert sched.check_invariants() == []
+    StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True).step()
 
 
 def test_snapshot_reports_queues_blocks_and_requests() -> None:

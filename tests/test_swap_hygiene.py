@@ -227,7 +227,7 @@ def test_segment_leaked_by_a_sigkilled_serve_is_removed_by_the_next_start(
 ) -> None:
     log = (tmp_path / "serve.log").open("wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc", "serve", "--model", str(model)]
+        [sys.executable, "-m", "expeditor", "serve", "--model", str(model)]
         + ["--num-cpu-blocks", "64"],
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -273,7 +273,7 @@ def test_cleanup_shm_command_removes_stale_segments_only() -> None:
         _segment(SHM_DIR, stale.name, 8192)
         with SwapPoolSegment.create(1, 4096) as live:
             result = subprocess.run(
-                [sys.executable, "-m", "scheduler_svc", "cleanup-shm"],
+                [sys.executable, "-m", "expeditor", "cleanup-shm"],
                 capture_output=True,
                 text=True,
                 timeout=120,

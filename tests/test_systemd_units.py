@@ -58,7 +58,7 @@ def _stand_in_command() -> str:
     script = Path(sys.executable).parent / "expeditor"
     if script.is_file() and os.access(script, os.X_OK):
         return _quoted(str(script))
-    return f"{_quoted(sys.executable)} -m scheduler_svc.cli"
+    return f"{_quoted(sys.executable)} -m expeditor"
 
 
 def _stage_units(directory: Path) -> list[Path]:

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
+from expeditor.cli import app
 from gpu_worker import tiny_model
 from gpu_worker.tiny_model import ARCHS, default_model_dir, make_tiny_model
-from scheduler_svc.cli import app
 
 runner = CliRunner()
 

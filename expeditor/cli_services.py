@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from scheduler_svc.cli import app, fail, resolve_config
-from scheduler_svc.cli_options import with_config_options, with_server_options
+from expeditor.cli import app, fail, resolve_config
+from expeditor.cli_options import with_config_options, with_server_options
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
 from shared.swap_pool import SHM_DIR, remove_stale_segments

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from scheduler_svc.bench.metrics import TargetResult, compute_result
-from scheduler_svc.bench.targets import RUNNERS, TARGETS, TargetRun
-from scheduler_svc.bench.workloads import Workload
+from expeditor.bench.metrics import TargetResult, compute_result
+from expeditor.bench.targets import RUNNERS, TARGETS, TargetRun
+from expeditor.bench.workloads import Workload
 from shared.config import SCHEDULER_FIELDS, SchedulerConfig
 from shared.errors import ConfigError
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from scheduler_svc.cli_options import with_config_options
+from expeditor.cli_options import with_config_options
 from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, Simulation, TraceError, load_trace
 from scheduler_svc.traces import generate_trace, write_trace
 from shared.config import SchedulerConfig, load_config
@@ -174,7 +174,7 @@ def make_tiny_model_cmd(
     Byte-level tokenizer, 2 layers, hidden size 64: for tests and smoke runs. OUT may be
     absent, empty or an earlier tiny model (replaced).
     """
-    from gpu_worker.tiny_model import make_tiny_model  # lazy: keeps torch out of the scheduler
+    from gpu_worker.tiny_model import make_tiny_model  # lazy: torch only for this command
 
     try:
         path = make_tiny_model(out, arch=arch, seed=seed)
@@ -187,12 +187,8 @@ def make_tiny_model_cmd(
 
 # The daemon and client commands live in their own modules; importing them registers
 # them on ``app``.
-from scheduler_svc import cli_bench, cli_client, cli_services  # noqa: E402, F401
+from expeditor import cli_bench, cli_client, cli_services  # noqa: E402, F401
 
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.bench.metrics import KVSample, RequestTimeline
-from scheduler_svc.bench.workloads import BenchRequest, Workload
+from expeditor.bench.metrics import KVSample, RequestTimeline
+from expeditor.bench.workloads import BenchRequest, Workload
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
 
@@ -169,7 +169,7 @@ def run_inprocess(
                 req = pending.pop()
                 arrivals[req.request_id] = start + req.arrival_s
                 token_times[req.request_id] = []
-                sched.add_request(
+                llm.add_request(
                     req.request_id,
                     req.prompt_token_ids,
                     SamplingParams(
@@ -179,12 +179,13 @@ def run_inprocess(
             if not sched.has_work():
                 time.sleep(max(0.0, min(0.01, start + pending[-1].arrival_s - now)))
                 continue
-            outcome = llm.step()
+            outcome = llm.step().outcome
             stamp = time.perf_counter()
             for seq in outcome.advanced:
                 token_times[seq.request.request_id].append(stamp)
             for request in outcome.finished_requests:
                 rid = request.request_id
+                llm.finished.pop(rid, None)
                 timelines.append(
                     RequestTimeline(
                         request_id=rid,

@@ -12,9 +12,9 @@ Definitions (all times in seconds on one clock; results are reported in millisec
   own); request throughput = requests / duration, output throughput = output tokens /
   duration.
 
-Summaries are ``{"mean", "p50", "p99"}`` with percentiles linearly interpolated between
-order statistics (numpy's default ``method="linear"``); an empty list summarises to
-``None`` (e.g. TPOT when every request produced a single token).
+Summaries are ``{"mean", "p50", "p99"}`` (:func:`shared.stats.summarize`: percentiles
+linearly interpolated between order statistics); an empty list summarises to ``None``
+(e.g. TPOT when every request produced a single token).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from itertools import pairwise
 
 import msgspec
 
-from scheduler_svc.bench.workloads import Workload
+from expeditor.bench.workloads import Workload
+from shared.stats import summarize
 
 __all__ = [
     "KVSample",
@@ -36,8 +37,6 @@ __all__ = [
     "e2e",
     "itls",
     "kv_stats",
-    "percentile",
-    "summarize",
     "tpot",
     "ttft",
 ]
@@ -104,32 +103,6 @@ def tpot(t: RequestTimeline) -> float | None:
 def itls(t: RequestTimeline) -> list[float]:
     """Gaps in seconds between consecutive token times (empty for fewer than two tokens)."""
     return [later - earlier for earlier, later in pairwise(t.token_times_s)]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation, like numpy's default:
-    rank ``q / 100 * (n - 1)`` in the sorted values, interpolated between its neighbours."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def summarize(values: Iterable[float]) -> dict[str, float] | None:
-    """``{"mean", "p50", "p99"}`` of ``values``; ``None`` when there are none."""
-    data = list(values)
-    if not data:
-        return None
-    return {
-        "mean": math.fsum(data) / len(data),
-        "p50": percentile(data, 50),
-        "p99": percentile(data, 99),
-    }
 
 
 def _scaled(summary: dict[str, float] | None, factor: float) -> dict[str, float] | None:

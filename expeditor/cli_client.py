@@ -12,8 +12,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from expeditor.cli import app, fail
 from ipc.schema import InspectReply
-from scheduler_svc.cli import app, fail
 from shared.errors import ConfigError, InvalidRequestError
 from shared.server_config import check_endpoint
 

@@ -10,14 +10,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from scheduler_svc.cli import app, fail
-from scheduler_svc.cli_options import with_config_options
+from expeditor.cli import app, fail
+from expeditor.cli_options import with_config_options
 
 BENCH_HELP = """Run a workload against targets on the same checkpoint and report request
 throughput, output tokens/s, TTFT, TPOT, ITL and E2E latency (mean, p50, p99), KV-cache
 usage and waste, preemptions and prefix-cache hit rate.
 
-Workloads (seeded, reproducible; exact distributions in scheduler_svc/bench/workloads.py):
+Workloads (seeded, reproducible; exact distributions in expeditor/bench/workloads.py):
 skewed (all at t=0, uniform prompts, exponential outputs with a cap, ignore_eos: the
 case where static batching suffers head-of-line blocking); poisson (arrivals at
 --rate per second with --burstiness, gamma inter-arrival times as in vLLM's serving
@@ -60,8 +60,8 @@ def bench(
     *,
     config_overrides: dict[str, Any],
 ) -> None:
-    from scheduler_svc.bench.run import parse_target, report_json, run_bench, write_plots
-    from scheduler_svc.bench.workloads import make_workload
+    from expeditor.bench.run import parse_target, report_json, run_bench, write_plots
+    from expeditor.bench.workloads import make_workload
 
     if num_requests < 1:
         fail("--num-requests must be >= 1")

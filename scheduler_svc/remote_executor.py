@@ -1,0 +1,245 @@
+"""Worker processes as an :class:`~scheduler_svc.step_engine.Executor`, over ZeroMQ.
+
+The scheduler daemon's worker endpoint is a ROUTER socket; each worker a DEALER. This
+module owns everything on that socket: joins (answered with the setup the host
+chooses), hellos (accepted or refused by the host), heartbeats, the fan-out of each
+plan to every ready rank and the collection of their results (rank 0's samples are
+used), and losses: a worker that says it failed, goes silent, dies (seen by its pid
+when it runs in this pid namespace), or owes a step for ``step_timeout_s`` (hung:
+killed) is dropped. A loss during a step fails that step's future with
+:class:`~scheduler_svc.step_engine.StepLostError`; a loss between steps is reported to
+the host, which re-queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.schema import (
+    BatchPlan,
+    Heartbeat,
+    Shutdown,
+    StepResult,
+    WorkerError,
+    WorkerHello,
+    WorkerJoin,
+    WorkerSetup,
+    encode,
+    worker_decoder,
+)
+from scheduler_svc.step_engine import StepLostError
+from scheduler_svc.workers import WorkerHandle, WorkerRegistry
+
+log = logging.getLogger("expeditor.scheduler")
+
+
+class WorkerHost(Protocol):
+    """What the daemon decides about its workers."""
+
+    def worker_setup(self) -> WorkerSetup:
+        """What a joining worker must load."""
+        ...
+
+    def accept_hello(self, handle: WorkerHandle, hello: WorkerHello) -> str | None:
+        """Take a worker's hello; the reason it does not fit, or None to accept it."""
+        ...
+
+    def worker_lost_idle(self) -> None:
+        """A worker was lost while no step was in flight."""
+        ...
+
+
+@dataclass(slots=True)
+class _Inflight:
+    step: int
+    pending: set[bytes]
+    future: Future[StepResult]
+    results: dict[int, StepResult] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None
+
+
+class RemoteExecutor:
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        registry: WorkerRegistry,
+        host: WorkerHost,
+        *,
+        step_timeout_s: float,
+    ) -> None:
+        self.socket = socket
+        self.registry = registry
+        self.host = host
+        self.step_timeout_s = step_timeout_s
+        self.inflight: _Inflight | None = None
+
+    # -- the executor ----------------------------------------------------------------------
+
+    def serving(self) -> bool:
+        """Every expected rank is ready."""
+        return len(self.registry.ready()) >= self.registry.expected
+
+    def submit(self, plan: BatchPlan) -> Future[StepResult]:
+        """Send ``plan`` to every ready rank (call on the daemon's loop)."""
+        future: Future[StepResult] = Future()
+        ready = self.registry.ready()
+        if not ready:
+            future.set_exception(StepLostError("no worker is ready"))
+            return future
+        inflight = _Inflight(plan.step, {w.identity for w in ready}, future)
+        inflight.timer = asyncio.get_running_loop().call_later(
+            self.step_timeout_s, self._timed_out, inflight
+        )
+        self.inflight = inflight
+        payload = encode(plan)
+        for handle in ready:
+            self._send_raw(handle.identity, payload)
+        return future
+
+    def send(self, handle: WorkerHandle, message: msgspec.Struct) -> None:
+        self._send_raw(handle.identity, encode(message))  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        """Tell every worker to leave."""
+        for handle in list(self.registry.workers.values()):
+            self.send(handle, Shutdown())
+
+    def check(self, now: float) -> None:
+        """Drop workers silent for too long or seen dead (call now and then)."""
+        for handle in self.registry.expire(now):
+            self._on_lost(handle)
+
+    def _send_raw(self, identity: bytes, payload: bytes) -> None:
+        sent = self.socket.send_multipart([identity, payload])
+        if isinstance(sent, asyncio.Future):
+            sent.add_done_callback(_log_send_failure)
+
+    # -- worker frames -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receive worker frames until cancelled (a daemon task)."""
+        while True:
+            frames = await self.socket.recv_multipart()
+            if len(frames) != 2:
+                continue
+            identity, payload = frames
+            try:
+                message = worker_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("malformed worker frame: %s", exc)
+                continue
+            handle = self.registry.get(identity)
+            if handle is not None:
+                handle.last_seen = time.monotonic()
+            if isinstance(message, WorkerJoin):
+                self._on_join(identity, message)
+            elif handle is None:
+                continue  # a frame from a worker already declared lost
+            elif isinstance(message, WorkerHello):
+                self._on_hello(handle, message)
+            elif isinstance(message, StepResult):
+                self._on_result(handle, message)
+            elif isinstance(message, WorkerError):
+                log.error("worker rank %d: %s", message.rank, message.message)
+                self._lose(handle.identity)
+            elif isinstance(message, Heartbeat):
+                pass
+
+    def _on_join(self, identity: bytes, join: WorkerJoin) -> None:
+        try:
+            handle, replaced = self.registry.join(identity, join, time.monotonic())
+        except ValueError as exc:
+            log.error("refusing worker pid %d: %s", join.pid, exc)
+            self._send_raw(identity, encode(Shutdown()))
+            return
+        if replaced is not None:
+            self._on_lost(replaced)
+        log.info("worker rank %d (pid %d, %s) joined", join.rank, join.pid, join.device)
+        self.send(handle, self.host.worker_setup())
+
+    def _on_hello(self, handle: WorkerHandle, hello: WorkerHello) -> None:
+        refusal = self.host.accept_hello(handle, hello)
+        if refusal is not None:
+            log.error("worker rank %d does not match this server: %s", handle.rank, refusal)
+            self.send(handle, Shutdown())
+            self.registry.drop(handle.identity)
+            return
+        self.registry.mark_ready(handle, hello)
+        log.info("worker rank %d ready: %d KV blocks", hello.rank, hello.num_gpu_blocks)
+
+    def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
+        inflight = self.inflight
+        if (
+            inflight is None
+            or result.step != inflight.step
+            or handle.identity not in inflight.pending
+        ):
+            return
+        inflight.pending.discard(handle.identity)
+        inflight.results[handle.rank] = result
+        if not inflight.pending:
+            self._end(inflight)
+            inflight.future.set_result(inflight.results[min(inflight.results)])
+
+    # -- losses ------------------------------------------------------------------------------
+
+    def _end(self, inflight: _Inflight) -> None:
+        if inflight.timer is not None:
+            inflight.timer.cancel()
+        if self.inflight is inflight:
+            self.inflight = None
+
+    def _timed_out(self, inflight: _Inflight) -> None:
+        """Workers that still owe a step after step_timeout_s are hung (a stuck kernel
+        keeps heartbeats going): kill them, so serve or systemd starts fresh ones."""
+        if self.inflight is not inflight:
+            return
+        for identity in list(inflight.pending):
+            handle = self.registry.drop(identity)
+            if handle is None:
+                continue
+            log.error(
+                "worker rank %d (pid %d) did not finish step %d in %g s: killing it",
+                handle.rank,
+                handle.pid,
+                inflight.step,
+                self.step_timeout_s,
+            )
+            try:
+                os.kill(handle.pid, signal.SIGKILL)
+            except OSError as exc:  # gone already, or not ours to kill
+                log.warning("could not kill pid %d: %s", handle.pid, exc)
+        self._end(inflight)
+        inflight.future.set_exception(StepLostError(f"step {inflight.step} hung"))
+
+    def _lose(self, identity: bytes) -> None:
+        handle = self.registry.drop(identity)
+        if handle is not None:
+            self._on_lost(handle)
+
+    def _on_lost(self, handle: WorkerHandle) -> None:
+        """The device cache of a dropped worker is gone: fail the step in flight (its
+        driver then re-queues), or have the host re-queue now if idle."""
+        log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
+        inflight = self.inflight
+        if inflight is not None:
+            self._end(inflight)
+            inflight.future.set_exception(StepLostError(f"rank {handle.rank} lost"))
+        else:
+            self.host.worker_lost_idle()
+
+
+def _log_send_failure(future: asyncio.Future[object]) -> None:
+    if not future.cancelled() and (error := future.exception()) is not None:
+        log.warning("sending to a worker failed: %r", error)
