@@ -24,12 +24,14 @@ import msgspec
 from ipc.client import Client
 from ipc.curve import client_curve_options
 from ipc.errors import ClientTimeoutError, ServerError
+from ipc.schema import HealthState
 from shared.config import SchedulerConfig, config_to_toml
 from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
 
 log = logging.getLogger("expeditor.serve")
 
 READY_TIMEOUT_S = 300.0
+RESTART_BACKOFF_MAX_S = 10.0
 STOP_GRACE_S = 15.0
 """How long a process gets to exit after SIGTERM (past the scheduler's drain) before
 it is killed."""
@@ -55,6 +57,12 @@ class Supervisor:
         self.ready = False
         self.stopping = False
         self.workers_stopping = False
+        self.spawned_at: dict[int, float] = {}
+        self.backoff: dict[int, float] = {}
+        """Per rank: the restart delay, doubled (0.5 s up to 10 s) while it keeps dying
+        within 10 s of starting, so a worker crashing at once is not restarted in a
+        tight loop."""
+        self.restart_at: dict[int, float] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
         command = [
@@ -70,6 +78,7 @@ class Supervisor:
 
     def _spawn_worker(self, rank: int) -> None:
         self.workers[rank] = self._spawn("worker", "--rank", str(rank))
+        self.spawned_at[rank] = time.monotonic()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The first signal starts an orderly stop; a second one is passed on to the
@@ -109,7 +118,7 @@ class Supervisor:
                 if not self._restart_dead_workers():
                     return False
                 try:
-                    if client.health().status == "ok":
+                    if client.health().status is HealthState.OK:
                         self.ready = True
                         return True
                 except (ClientTimeoutError, ServerError):
@@ -134,8 +143,21 @@ class Supervisor:
                     )
                     return False
             if self.server.restart_workers and not self.workers_stopping:
-                log.warning("worker rank %d exited with %s: restarting", rank, proc.returncode)
-                self._spawn_worker(rank)
+                now = time.monotonic()
+                if rank not in self.restart_at:  # just seen dead: when may it come back?
+                    quick = now - self.spawned_at.get(rank, now) < RESTART_BACKOFF_MAX_S
+                    delay = min(2 * self.backoff.get(rank, 0.0) or 0.5, RESTART_BACKOFF_MAX_S)
+                    self.backoff[rank] = delay if quick else 0.0
+                    self.restart_at[rank] = now + self.backoff[rank]
+                    log.warning(
+                        "worker rank %d exited with %s: restarting in %.1f s",
+                        rank,
+                        proc.returncode,
+                        self.backoff[rank],
+                    )
+                if now >= self.restart_at[rank]:
+                    del self.restart_at[rank]
+                    self._spawn_worker(rank)
             else:
                 log.error("worker rank %d exited with %s", rank, proc.returncode)
                 del self.workers[rank]
