@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.async_client import Completion
+from ipc.async_client import ClientCompletion
 from ipc.schema import Generate, encode
 from shared.sampling import SamplingParams
 
@@ -127,7 +127,7 @@ class Spec:
         return cls(kind, prompt, token_ids, sampling, rng.randint(1, 4), rng.uniform(0.02, 1.0))
 
 
-def check_completion(spec: Spec, completion: Completion) -> str:
+def check_completion(spec: Spec, completion: ClientCompletion) -> str:
     """What is inconsistent between a finished (not aborted) request and its spec."""
     params = spec.sampling
     if len(completion.samples) != params.n:

@@ -32,10 +32,11 @@ from soak_load import (
     rss_mb_and_fds,
 )
 
-from ipc.async_client import AsyncClient, Completion
+from ipc.async_client import AsyncClient, ClientCompletion
 from ipc.errors import ClientClosedError, ClientTimeoutError, ServerError, UnknownRequestError
-from ipc.schema import ErrorReply, server_decoder
+from ipc.schema import ErrorCode, ErrorReply, HealthState, WorkerStatus, server_decoder
 from scheduler_svc.launch import child_pids, cmdline
+from shared.outputs import FinishReason
 from shared.procinfo import process_start_time
 
 SERVE_FLAGS = (
@@ -195,7 +196,7 @@ class Soak:
         try:
             completion, aborted = await self._execute(client, spec, rid)
         except ServerError as error:
-            self.worker_lost += error.code == "worker_lost"
+            self.worker_lost += error.code is ErrorCode.WORKER_LOST
             self.ledger.close(
                 record, Outcome.REFUSED, str(error), code=error.code, unexpected=error.code
             )
@@ -211,7 +212,7 @@ class Soak:
         else:
             if completion is None:  # left a stream early
                 self.ledger.close(record, Outcome.ABORTED)
-            elif any(sample.finish_reason == "abort" for sample in completion.samples):
+            elif any(sample.finish_reason is FinishReason.ABORT for sample in completion.samples):
                 # An n>1 request aborted after some samples ended still reports sample 0's
                 # own reason first: any aborted sample makes the request an aborted one.
                 unexpected = "" if aborted else "aborted by the server"
@@ -227,7 +228,7 @@ class Soak:
 
     async def _execute(
         self, client: AsyncClient, spec: Spec, rid: str
-    ) -> tuple[Completion | None, bool]:
+    ) -> tuple[ClientCompletion | None, bool]:
         """Run one request: (its completion or None if left early, aborted by us)."""
         prompt = {"prompt": spec.prompt, "prompt_token_ids": spec.prompt_token_ids}
         if spec.kind == "generate":
@@ -243,7 +244,7 @@ class Soak:
                     return None, True  # leaving the block aborts it on the server
         return stream.completion, False
 
-    async def _abort_by_id(self, client: AsyncClient, spec: Spec, rid: str) -> Completion:
+    async def _abort_by_id(self, client: AsyncClient, spec: Spec, rid: str) -> ClientCompletion:
         task = asyncio.ensure_future(
             client.generate(
                 prompt=spec.prompt,
@@ -359,8 +360,10 @@ class Soak:
                 event["last_error"] = repr(error)
                 await asyncio.sleep(0.2)
                 continue
-            ready = [w.pid for w in info.workers if w.state == "ready" and w.pid != killed]
-            if ready and health.status == "ok":
+            ready = [
+                w.pid for w in info.workers if w.state is WorkerStatus.READY and w.pid != killed
+            ]
+            if ready and health.status is HealthState.OK:
                 event.update(
                     recovered=True,
                     recovery_s=round(time.monotonic() - killed_at, 2),

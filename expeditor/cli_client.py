@@ -25,7 +25,7 @@ Address = Annotated[
         help="The server's frontend (printed by `expeditor serve`), e.g. ipc:///run/expeditor/frontend.sock.",
     ),
 ]
-Timeout = Annotated[float, typer.Option(help="Seconds to wait for the server.")]
+TimeoutSeconds = Annotated[float, typer.Option(help="Seconds to wait for the server.")]
 CurveServerKey = Annotated[
     str,
     typer.Option(
@@ -86,7 +86,7 @@ def generate(
     priority: Annotated[int, typer.Option(help="Lower runs first (priority policy).")] = 0,
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it comes.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    timeout: Timeout = 300.0,
+    timeout: TimeoutSeconds = 300.0,
     curve_server_key: CurveServerKey = "",
     curve_client_key: CurveClientKey = "",
 ) -> None:
@@ -228,7 +228,7 @@ def inspect(
     watch: Annotated[
         float | None, typer.Option(help="Refresh every this many seconds until Ctrl-C.")
     ] = None,
-    timeout: Timeout = 10.0,
+    timeout: TimeoutSeconds = 10.0,
     curve_server_key: CurveServerKey = "",
     curve_client_key: CurveClientKey = "",
 ) -> None:

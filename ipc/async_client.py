@@ -1,6 +1,6 @@
-"""The asynchronous client: :class:`AsyncClient`, :class:`AsyncStream` and the
-client-side :class:`Completion`. :mod:`ipc.client` re-exports all of it; read its
-docstring for usage."""
+"""The asynchronous client: :class:`AsyncClient`, :class:`AsyncStream` and
+:class:`ClientCompletion`. :mod:`ipc.client` re-exports all of it; read its docstring
+for usage."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from ipc.schema import (
     ClientMessage,
     Delta,
     DeltaBatch,
+    ErrorCode,
     ErrorReply,
     Finished,
     Generate,
@@ -55,7 +56,7 @@ from ipc.schema import (
     encode,
     server_decoder,
 )
-from shared.outputs import CompletionSample
+from shared.outputs import CompletionSample, FinishReason
 from shared.sampling import SamplingParams
 
 __all__ = [
@@ -64,8 +65,8 @@ __all__ = [
     "AsyncStream",
     "BadRequestError",
     "ClientClosedError",
+    "ClientCompletion",
     "ClientTimeoutError",
-    "Completion",
     "OverloadedError",
     "RequestRejectedError",
     "ServerError",
@@ -91,19 +92,19 @@ Timeout = float | None | _Default
 """A call's timeout: seconds, ``None`` (wait forever) or :data:`DEFAULT_TIMEOUT`."""
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
+class ClientCompletion(msgspec.Struct, frozen=True, kw_only=True):
     """A finished request as the client sees it.
 
-    ``token_ids``, ``text`` and ``finish_reason`` are those of sample 0 (the only one
-    unless ``n > 1``); ``samples`` holds all of them. ``finish_reason`` is ``stop``,
-    ``length`` or ``abort``.
+    The server's :class:`~shared.outputs.Completion` flattened, with what ``Finished``
+    adds: ``token_ids``, ``text`` and ``finish_reason`` are those of sample 0 (the only
+    one unless ``n > 1``); ``samples`` holds all of them.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     samples: list[CompletionSample]
     usage: Usage
     timings: Timings
@@ -111,7 +112,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     ``total_s`` (to finish), all measured by the server."""
 
     @classmethod
-    def from_finished(cls, finished: Finished) -> Completion:
+    def from_finished(cls, finished: Finished) -> ClientCompletion:
         samples = sorted(finished.completion.samples, key=lambda sample: sample.index)
         first = samples[0] if samples else None
         return cls(
@@ -119,7 +120,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
             prompt_token_ids=finished.completion.prompt_token_ids,
             token_ids=first.token_ids if first else [],
             text=first.text if first else "",
-            finish_reason=first.finish_reason if first else "abort",
+            finish_reason=first.finish_reason if first else FinishReason.ABORT,
             samples=samples,
             usage=finished.usage,
             timings=finished.timings,
@@ -147,7 +148,7 @@ class AsyncStream:
 
     Made by :meth:`AsyncClient.stream`; the request is sent on the first iteration (or
     on ``async with``). Iteration ends cleanly after the server's ``Finished``, whose
-    :class:`Completion` is then :attr:`completion`; an ``ErrorReply`` raises the
+    :class:`ClientCompletion` is then :attr:`completion`; an ``ErrorReply`` raises the
     matching :class:`~ipc.errors.ServerError`, the deadline
     :class:`~ipc.errors.ClientTimeoutError`, and a server silent for the client's
     ``server_timeout_s`` :class:`~ipc.errors.ServerUnavailableError` (the request is
@@ -180,7 +181,7 @@ class AsyncStream:
         self.request_id: str = request.request_id
         self.prompt_token_ids: list[int] | None = None
         """The prompt as the server tokenized it, once ``Accepted`` arrived."""
-        self.completion: Completion | None = None
+        self.completion: ClientCompletion | None = None
         """The result, once iteration ended with ``Finished``."""
 
     @property
@@ -255,7 +256,7 @@ class AsyncStream:
                 continue
             self._finish(abort=False)
             if isinstance(event, Finished):
-                self.completion = Completion.from_finished(event)
+                self.completion = ClientCompletion.from_finished(event)
                 return None
             if isinstance(event, ErrorReply):
                 raise error_from_reply(event)
@@ -372,8 +373,8 @@ class AsyncClient:
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
         **sampling_fields: Any,
-    ) -> Completion:
-        """Run one request to the end and return its :class:`Completion`.
+    ) -> ClientCompletion:
+        """Run one request to the end and return its :class:`ClientCompletion`.
 
         Exactly one of ``prompt`` (text) and ``prompt_token_ids`` (else ``ValueError``).
         ``request_id`` defaults to a fresh uuid4 hex. Sampling is either ``sampling``
@@ -672,7 +673,7 @@ class AsyncClient:
                 oldest[1].set_exception(error_from_reply(reply))
             return
         abort_waiters = self._abort_waiters.get(request_id)
-        abort_first = reply.code == "unknown_request" or request_id not in self._requests
+        abort_first = reply.code is ErrorCode.UNKNOWN_REQUEST or request_id not in self._requests
         if abort_first and (future := _pop_waiter(abort_waiters)) is not None:
             future.set_exception(error_from_reply(reply))
         else:

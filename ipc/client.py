@@ -54,7 +54,7 @@ from ipc.async_client import (
     DEFAULT_TIMEOUT,
     AsyncClient,
     AsyncStream,
-    Completion,
+    ClientCompletion,
     Timeout,
 )
 from ipc.errors import (
@@ -81,8 +81,8 @@ __all__ = [
     "BadRequestError",
     "Client",
     "ClientClosedError",
+    "ClientCompletion",
     "ClientTimeoutError",
-    "Completion",
     "InternalServerError",
     "OverloadedError",
     "QuarantinedError",
@@ -115,7 +115,7 @@ class Stream:
         self.request_id = stream.request_id
 
     @property
-    def completion(self) -> Completion | None:
+    def completion(self) -> ClientCompletion | None:
         """The result, once iteration ended."""
         return self._stream.completion
 
@@ -217,7 +217,7 @@ class Client:
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
         **sampling_fields: Any,
-    ) -> Completion:
+    ) -> ClientCompletion:
         """See :meth:`AsyncClient.generate`."""
         return self._call(
             self._async.generate(

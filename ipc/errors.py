@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ipc.schema import ErrorReply
+from ipc.schema import ErrorCode, ErrorReply
 
 __all__ = [
     "BadRequestError",
@@ -49,7 +49,7 @@ class ServerError(Exception):
     server could not attribute to a request.
     """
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(code, message, request_id)
         self.code = code
         self.message = message
@@ -98,24 +98,24 @@ class InternalServerError(ServerError):
     keeps serving."""
 
 
-_ERRORS_BY_CODE: dict[str, type[ServerError]] = {
-    "bad_request": BadRequestError,
-    "duplicate": BadRequestError,
-    "unknown_request": UnknownRequestError,
-    "rejected": RequestRejectedError,
-    "overloaded": OverloadedError,
-    "worker_lost": WorkerLostError,
-    "shutting_down": ShuttingDownError,
-    "quarantined": QuarantinedError,
-    "internal": InternalServerError,
+_ERRORS_BY_CODE: dict[ErrorCode, type[ServerError]] = {
+    ErrorCode.BAD_REQUEST: BadRequestError,
+    ErrorCode.DUPLICATE: BadRequestError,
+    ErrorCode.UNKNOWN_REQUEST: UnknownRequestError,
+    ErrorCode.REJECTED: RequestRejectedError,
+    ErrorCode.OVERLOADED: OverloadedError,
+    ErrorCode.WORKER_LOST: WorkerLostError,
+    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.QUARANTINED: QuarantinedError,
+    ErrorCode.INTERNAL: InternalServerError,
 }
+"""The exception class of every :class:`~ipc.schema.ErrorCode` (a reply with a code
+outside the enum fails decoding before it gets here)."""
 
 
 def error_from_reply(reply: ErrorReply) -> ServerError:
-    """The exception for ``reply``: a subclass chosen by its code, or a plain
-    :class:`ServerError` for a code this client does not know."""
-    error_class = _ERRORS_BY_CODE.get(reply.code, ServerError)
-    return error_class(reply.code, reply.message, reply.request_id)
+    """The exception for ``reply``, the subclass its code maps to."""
+    return _ERRORS_BY_CODE[reply.code](reply.code, reply.message, reply.request_id)
 
 
 class ClientTimeoutError(TimeoutError):

@@ -23,9 +23,11 @@ that another sequence of the same step writes (identical prompts admitted togeth
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-from shared.outputs import Completion
+from shared.outputs import Completion, FinishReason
 from shared.sampling import SamplingParams
 
 __all__ = [
@@ -40,10 +42,12 @@ __all__ = [
     "ControlMessage",
     "Delta",
     "DeltaBatch",
+    "ErrorCode",
     "ErrorReply",
     "Finished",
     "Generate",
     "Health",
+    "HealthState",
     "HealthStatus",
     "Heartbeat",
     "Inspect",
@@ -55,6 +59,7 @@ __all__ = [
     "PrefixCacheStats",
     "SchedulerSnapshot",
     "SeqInfo",
+    "SeqStatus",
     "ServerMessage",
     "Shutdown",
     "StepResult",
@@ -67,6 +72,7 @@ __all__ = [
     "WorkerJoin",
     "WorkerMessage",
     "WorkerSetup",
+    "WorkerStatus",
     "client_decoder",
     "control_decoder",
     "decode",
@@ -74,6 +80,62 @@ __all__ = [
     "server_decoder",
     "worker_decoder",
 ]
+
+
+# -- enumerated values: strings on the wire, an unknown one fails decoding ---------------
+
+
+class SeqStatus(enum.StrEnum):
+    """Where a sequence is in the scheduler (``SeqInfo.state``)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class WorkerStatus(enum.StrEnum):
+    STARTING = "starting"
+    """Joined, loading the model."""
+    READY = "ready"
+    """Said hello: serving steps."""
+    LOST = "lost"
+    """Silent past its timeout, seen dead, or replaced."""
+
+
+class HealthState(enum.StrEnum):
+    OK = "ok"
+    """Serving with every expected worker."""
+    STARTING = "starting"
+    """No worker ready yet."""
+    DEGRADED = "degraded"
+    """Serving, but a worker was lost."""
+    DRAINING = "draining"
+    """Stopping: requests in flight finish, new ones are refused."""
+
+
+class ErrorCode(enum.StrEnum):
+    """Why the server refused a request or frame, or could not finish a request."""
+
+    BAD_REQUEST = "bad_request"
+    """Malformed frame, wrong types, invalid parameters, a prompt too large or with
+    token ids outside the vocabulary."""
+    DUPLICATE = "duplicate"
+    """The request id (or one of its sample ids) is in use."""
+    UNKNOWN_REQUEST = "unknown_request"
+    """No such request of this client."""
+    REJECTED = "rejected"
+    """The request can never fit (max_model_len or the whole KV capacity)."""
+    OVERLOADED = "overloaded"
+    """The waiting queue is full."""
+    WORKER_LOST = "worker_lost"
+    """No worker left to finish it."""
+    QUARANTINED = "quarantined"
+    """Steps holding this request made workers fail twice: it is not retried."""
+    SHUTTING_DOWN = "shutting_down"
+    """The server is stopping."""
+    INTERNAL = "internal"
+    """A server bug; the server keeps serving."""
 
 
 class NewSeq(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,7 +248,7 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
 class SeqInfo(msgspec.Struct, frozen=True, kw_only=True):
     seq_id: str
     request_id: str
-    state: str
+    state: SeqStatus
     priority: int
     num_prompt_tokens: int
     num_output_tokens: int
@@ -312,7 +374,7 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta", tag_field="t
     """Sample index (0..n-1)."""
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
 
 
@@ -345,18 +407,11 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished", tag_fi
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
-    """A request or frame the server refused, or a request it could not finish.
-
-    Codes: ``bad_request`` (malformed frame, wrong types, invalid params, a prompt too
-    large or with token ids outside the vocabulary), ``duplicate`` (request id in use),
-    ``unknown_request`` (no such request of this client), ``rejected`` (can never fit),
-    ``overloaded`` (waiting queue full), ``worker_lost`` (no worker to finish it),
-    ``quarantined`` (steps holding this request made workers fail twice: it is not
-    retried), ``shutting_down``, ``internal`` (a server bug; the server keeps serving).
-    """
+    """A request or frame the server refused, or a request it could not finish; see
+    :class:`ErrorCode`."""
 
     request_id: str | None
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -364,17 +419,14 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     pid: int
     device: str
-    state: str
-    """``starting``, ``ready``, ``lost``."""
+    state: WorkerStatus
     num_gpu_blocks: int | None = None
 
 
 class HealthStatus(
     msgspec.Struct, frozen=True, kw_only=True, tag="health_status", tag_field="type"
 ):
-    status: str
-    """``ok`` (serving), ``starting`` (no worker yet), ``degraded`` (a worker was lost),
-    ``draining`` (stopping: requests in flight finish, new ones are refused)."""
+    status: HealthState
     workers_ready: int
     workers_expected: int
     step: int
@@ -394,7 +446,7 @@ class InspectReply(
 
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):
     """Answer to Abort. ``aborted`` is False when the request had already finished; an
-    unknown id gets ErrorReply(code="unknown_request") instead. The aborted request's
+    unknown id gets ErrorReply(code=UNKNOWN_REQUEST) instead. The aborted request's
     own waiter then gets Finished with finish_reason "abort"."""
 
     request_id: str

@@ -1,7 +1,8 @@
 """The scheduler daemon: the core behind a ZeroMQ frontend, driving worker processes.
 
 Tasks on one (uv)loop:
-- frontend: client frames in (Generate, Abort, Inspect, Health, Ping), replies out;
+- frontend: client frames in (Generate, Abort, Inspect, Health, Ping), replies out,
+  run by :class:`~scheduler_svc.frontend.Frontend`, which also owns the requests;
 - backend: the workers' socket, run by :class:`RemoteExecutor` (joins, hellos,
   heartbeats, results, losses), with this daemon as its host;
 - step loop: :meth:`StepEngine.step_async` (schedule -> the executor fans the plan
@@ -26,16 +27,11 @@ import zmq
 import zmq.asyncio
 
 from ipc.curve import CurveServer, endpoint_needs_curve
-from ipc.schema import (
-    AttachSwapPool,
-    Generate,
-    WorkerHello,
-    WorkerSetup,
-)
+from ipc.schema import AttachSwapPool, ErrorCode, WorkerHello, WorkerSetup
 from scheduler_svc import sdnotify
 from scheduler_svc.detokenizer import load_tokenizer
-from scheduler_svc.frontend import FrontendMixin
-from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
+from scheduler_svc.frontend import Frontend
+from scheduler_svc.outputs import RequestEnded, StepEvents
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
@@ -58,7 +54,7 @@ def _model_max_len(model_dir: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
-class SchedulerDaemon(FrontendMixin):
+class SchedulerDaemon:
     def __init__(self, server: ServerConfig, config: SchedulerConfig) -> None:
         if not server.frontend or not server.worker_endpoint:
             raise ConfigError("the scheduler needs frontend and worker_endpoint addresses")
@@ -78,7 +74,7 @@ class SchedulerDaemon(FrontendMixin):
         )
         # A client frame above max_frame_bytes never reaches the decoder: ZeroMQ drops
         # the connection that sent it.
-        self.frontend = self._bind(
+        frontend_socket = self._bind(
             server.frontend, curve=server.curve, max_frame_bytes=server.max_frame_bytes
         )
         self.backend = self._bind(
@@ -100,22 +96,18 @@ class SchedulerDaemon(FrontendMixin):
         self.core: Scheduler | None = None
         self.engine: StepEngine | None = None
         """The core and the workers, once the first worker said hello."""
-        self.outputs = OutputProcessor(None, self._send, self._stop_seq)
-        self.model = server.model
         self.swap_pool: SwapPoolSegment | None = None
-        self.backlog: list[tuple[ClientRequest, Generate]] = []
-        """Requests that arrived before the first worker registered (no tokenizer yet)."""
-        self.tokenizing: set[asyncio.Task[None]] = set()
-        self.clients: dict[bytes, float] = {}
         self.events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
+        """What the output task sends: each step's events, requests ended outside a step."""
         self.wake = asyncio.Event()
+        self.frontend = Frontend(
+            frontend_socket, server, config, self.registry, self.events, self.wake, self._stop_seq
+        )
         self.stop_event = asyncio.Event()
         self.signals = 0
         self.drain_cut = asyncio.Event()
-        self.started = time.monotonic()
-        self.loop_alive = self.started
-        self.short_since: float | None = self.started
-        self.stopping = False
+        self.loop_alive = time.monotonic()
+        self.short_since: float | None = self.loop_alive
 
     def _bind(self, address: str, *, curve: bool, max_frame_bytes: int = -1) -> zmq.asyncio.Socket:
         """A ROUTER bound to ``address``; a CURVE server if ``curve``. An ipc:// socket
@@ -156,7 +148,7 @@ class SchedulerDaemon(FrontendMixin):
         tasks = [
             asyncio.create_task(coro, name=name)
             for name, coro in (
-                ("frontend", self._frontend_loop()),
+                ("frontend", self.frontend.run()),
                 ("backend", self.executor.run()),
                 ("steps", self._step_loop()),
                 ("outputs", self._output_loop()),
@@ -187,12 +179,13 @@ class SchedulerDaemon(FrontendMixin):
     async def _drain(self, tasks: list[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
         """Refuse new requests (``shutting_down``) and let those in flight finish, for up
         to ``shutdown_timeout_s``; returns the tasks that ended meanwhile (failed ones)."""
-        self.stopping = True
+        self.frontend.stopping = True
         sdnotify.stopping()
         timeout = self.server.shutdown_timeout_s
-        log.info("draining: %d requests in flight, up to %g s", len(self.outputs.requests), timeout)
+        requests = self.frontend.outputs.requests
+        log.info("draining: %d requests in flight, up to %g s", len(requests), timeout)
         deadline = time.monotonic() + timeout
-        while self.outputs.requests and not self.drain_cut.is_set():
+        while requests and not self.drain_cut.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -202,16 +195,17 @@ class SchedulerDaemon(FrontendMixin):
         return set()
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
-        self.stopping = True
+        self.frontend.stopping = True
         sdnotify.stopping()
+        outputs = self.frontend.outputs
         while not self.events.empty():  # what the output task had not sent yet
-            self.outputs.handle(self.events.get_nowait())
-        if self.outputs.requests:
-            log.warning("stopping with %d requests unfinished", len(self.outputs.requests))
-        for request_id in list(self.outputs.requests):
-            self.outputs.fail(
+            outputs.handle(self.events.get_nowait())
+        if outputs.requests:
+            log.warning("stopping with %d requests unfinished", len(outputs.requests))
+        for request_id in list(outputs.requests):
+            outputs.fail(
                 request_id,
-                "shutting_down",
+                ErrorCode.SHUTTING_DOWN,
                 "the server stopped before this request finished "
                 f"(shutdown_timeout_s={self.server.shutdown_timeout_s:g})",
             )
@@ -220,7 +214,7 @@ class SchedulerDaemon(FrontendMixin):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.frontend.close(linger=1000)  # let the last replies out
+        self.frontend.socket.close(linger=1000)  # let the last replies out
         self.backend.close(linger=0)
         if self.curve is not None:
             self.curve.stop()
@@ -268,7 +262,6 @@ class SchedulerDaemon(FrontendMixin):
             self._quarantine(self.engine.on_worker_lost())
 
     def _create_core(self, hello: WorkerHello) -> None:
-        self.model = hello.model
         max_len = _model_max_len(hello.model) or self.config.max_model_len
         config = msgspec.structs.replace(
             self.config,
@@ -277,7 +270,6 @@ class SchedulerDaemon(FrontendMixin):
         )
         if config.num_cpu_blocks:
             self.swap_pool = SwapPoolSegment.create(config.num_cpu_blocks, hello.kv_bytes_per_block)
-        self.outputs.tokenizer = load_tokenizer(hello.model)
         self.core = Scheduler(
             config,
             eos_token_ids=hello.eos_token_ids,
@@ -285,9 +277,7 @@ class SchedulerDaemon(FrontendMixin):
             vocab_size=hello.vocab_size or None,
         )
         self.engine = StepEngine(self.core, self.executor)
-        backlog, self.backlog = self.backlog, []
-        for request, msg in backlog:
-            self._submit(request, msg)
+        self.frontend.attach(self.core, hello.model, load_tokenizer(hello.model))
 
     # -- the step loop -------------------------------------------------------------------
 
@@ -312,9 +302,9 @@ class SchedulerDaemon(FrontendMixin):
         """Requests in two steps that workers died in: failed, never re-queued."""
         for request in requests:
             log.error("request %s quarantined: workers died running it", request.request_id)
-            self._end_request(
+            self.frontend.end_request(
                 request.request_id,
-                "quarantined",
+                ErrorCode.QUARANTINED,
                 f"workers failed in {request.num_failed_steps} steps that ran this request; "
                 "it is not retried",
             )
@@ -324,7 +314,7 @@ class SchedulerDaemon(FrontendMixin):
 
     async def _output_loop(self) -> None:
         while True:
-            self.outputs.handle(await self.events.get())
+            self.frontend.outputs.handle(await self.events.get())
 
     # -- housekeeping --------------------------------------------------------------------
 
@@ -336,7 +326,7 @@ class SchedulerDaemon(FrontendMixin):
             now = time.monotonic()
             self.executor.check(now)
             self._check_worker_wait(now)
-            self._check_clients(now)
+            self.frontend.check_clients(now)
             if interval and now - last_ping >= interval and now - self.loop_alive < 2 * interval:
                 sdnotify.watchdog()
                 last_ping = now
@@ -350,21 +340,8 @@ class SchedulerDaemon(FrontendMixin):
         if now - self.short_since < self.server.worker_wait_s:
             return
         message = f"no worker for {self.server.worker_wait_s:g} s"
-        for request_id in list(self.outputs.requests):
-            self._end_request(request_id, "worker_lost", message)
-
-    def _check_clients(self, now: float) -> None:
-        silent = {
-            c for c, seen in self.clients.items() if now - seen > self.server.client_timeout_s
-        }
-        if not silent:
-            return
-        for request_id, request in list(self.outputs.requests.items()):
-            if request.client in silent:
-                log.info("client went silent: aborting %s", request_id)
-                self._end_request(request_id)
-        for client in silent:
-            del self.clients[client]
+        for request_id in list(self.frontend.outputs.requests):
+            self.frontend.end_request(request_id, ErrorCode.WORKER_LOST, message)
 
 
 def run_scheduler(server: ServerConfig, config: SchedulerConfig) -> int:

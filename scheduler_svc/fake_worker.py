@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from ipc.plan_state import WorkerSeq, WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, StepResult
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 _MASK = (1 << 64) - 1
@@ -77,7 +78,7 @@ class FakeModel:
         prompt_len: int,
         params: SamplingParams,
         max_model_len: int,
-    ) -> tuple[list[int], str]:
+    ) -> tuple[list[int], FinishReason]:
         """The tokens and finish reason of this sample run alone, by the stop rules."""
         limit = min(params.max_tokens or max_model_len - prompt_len, max_model_len - prompt_len)
         out: list[int] = []
@@ -88,9 +89,9 @@ class FakeModel:
                 token in params.stop_token_ids
             )
             if len(out) > params.min_tokens and stops:
-                return out, "stop"
+                return out, FinishReason.STOP
             if len(out) >= limit:
-                return out, "length"
+                return out, FinishReason.LENGTH
 
 
 class FakeWorker:

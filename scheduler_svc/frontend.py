@@ -1,6 +1,7 @@
-"""The scheduler daemon's client side: decoding client frames, admitting and aborting
-requests, answering inspect and health. A mixin of :class:`SchedulerDaemon`; every
-reply goes out through its non-blocking ``_send``.
+"""The scheduler daemon's client side, :class:`Frontend`: decoding client frames,
+admitting and aborting requests, answering inspect and health, and (through its
+:class:`OutputProcessor`) the replies of each step. :class:`SchedulerDaemon` owns one;
+every reply goes out through its non-blocking :meth:`Frontend.send`.
 
 Nothing a client sends can stop this loop: frames above ``max_frame_bytes`` never
 arrive (ZeroMQ disconnects their sender), every other frame is decoded under a
@@ -20,6 +21,7 @@ import ctypes
 import ctypes.util
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -31,9 +33,11 @@ from ipc.schema import (
     AbortAck,
     Accepted,
     ClientMessage,
+    ErrorCode,
     ErrorReply,
     Generate,
     Health,
+    HealthState,
     HealthStatus,
     Inspect,
     InspectReply,
@@ -43,23 +47,19 @@ from ipc.schema import (
     client_decoder,
     encode,
 )
+from scheduler_svc.introspection import snapshot
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
 from scheduler_svc.request import RejectedError
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from scheduler_svc.scheduler import Scheduler
     from scheduler_svc.workers import WorkerRegistry
     from shared.config import SchedulerConfig
     from shared.server_config import ServerConfig
 
 log = logging.getLogger("expeditor.scheduler")
-
-REJECT_CODES = {
-    "invalid": "bad_request",
-    "duplicate": "duplicate",
-    "too_long": "rejected",
-    "overloaded": "overloaded",
-}
 
 INLINE_TOKENIZE_CHARS = 16_384
 """Text prompts up to this many characters are tokenized on the event loop (fast); longer
@@ -93,48 +93,83 @@ def frame_owner(frame: zmq.Frame, identity: bytes) -> bytes:
     return b"key:" + user_id.encode() if user_id else identity
 
 
-class FrontendMixin:
-    server: ServerConfig
-    config: SchedulerConfig
-    frontend: zmq.asyncio.Socket
-    core: Scheduler | None
-    outputs: OutputProcessor
-    registry: WorkerRegistry
-    model: str
-    backlog: list[tuple[ClientRequest, Generate]]
-    clients: dict[bytes, float]
-    events: asyncio.Queue[StepEvents | RequestEnded]
-    wake: asyncio.Event
-    started: float
-    stopping: bool
-    tokenizing: set[asyncio.Task[None]]
+class Frontend:
+    """The client socket of the daemon and every request on it, from Generate to the
+    last reply. Requests that arrive before the core exists wait in ``backlog`` until
+    :meth:`attach`."""
 
-    def _send(self, identity: bytes, message: ServerMessage) -> None:
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        server: ServerConfig,
+        config: SchedulerConfig,
+        registry: WorkerRegistry,
+        events: asyncio.Queue[StepEvents | RequestEnded],
+        wake: asyncio.Event,
+        finish_seq: Callable[[str], str | None],
+    ) -> None:
+        """``events`` is the output task's queue (requests ended here go in it), ``wake``
+        wakes the step loop, ``finish_seq`` ends a sample a stop string stopped."""
+        self.socket = socket
+        self.server = server
+        self.config = config
+        self.registry = registry
+        self.events = events
+        self.wake = wake
+        self.outputs = OutputProcessor(None, self.send, finish_seq)
+        self.core: Scheduler | None = None
+        self.model = server.model
+        self.backlog: list[tuple[ClientRequest, Generate]] = []
+        """Requests that arrived before the first worker registered (no tokenizer yet)."""
+        self.tokenizing: set[asyncio.Task[None]] = set()
+        self.clients: dict[bytes, float] = {}
+        """Connection -> when it was last heard from."""
+        self.started = time.monotonic()
+        self.stopping = False
+        """Draining: new requests are refused with ``shutting_down``."""
+
+    def attach(self, core: Scheduler, model: str, tokenizer: Tokenizer) -> None:
+        """The core exists (the first worker said hello): submit the backlog to it."""
+        self.core = core
+        self.model = model
+        self.outputs.tokenizer = tokenizer
+        backlog, self.backlog = self.backlog, []
+        for request, msg in backlog:
+            self._submit(request, msg)
+
+    def send(self, identity: bytes, message: ServerMessage) -> None:
         """Never blocks: a client that cannot take more loses the message (logged)."""
         try:
-            self.frontend.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a %s for a client that is not reading", type(message).__name__)
 
-    async def _frontend_loop(self) -> None:
+    async def run(self) -> None:
+        """Serve client frames until cancelled."""
         while True:
-            frames = await self.frontend.recv_multipart(copy=False)
+            frames = await self.socket.recv_multipart(copy=False)
             identity = frames[0].bytes
             self.clients[identity] = time.monotonic()
             if len(frames) != 2:
-                self._refuse(identity, None, "bad_request", "expected one frame per message")
+                self._refuse(
+                    identity, None, ErrorCode.BAD_REQUEST, "expected one frame per message"
+                )
                 continue
             try:
                 message = client_decoder.decode(frames[1].buffer)
             except Exception as exc:  # any bytes at all: DecodeError, RecursionError...
-                self._refuse(identity, None, "bad_request", f"malformed message: {_describe(exc)}")
+                self._refuse(
+                    identity, None, ErrorCode.BAD_REQUEST, f"malformed message: {_describe(exc)}"
+                )
                 continue
             try:
                 self._dispatch(identity, frame_owner(frames[1], identity), message)
             except Exception:  # a bug in one handler must not take the server down
                 log.exception("handling a %s failed", type(message).__name__)
                 request_id = getattr(message, "request_id", None)
-                self._refuse(identity, request_id, "internal", "the server failed to handle this")
+                self._refuse(
+                    identity, request_id, ErrorCode.INTERNAL, "the server failed to handle this"
+                )
 
     def _dispatch(self, identity: bytes, owner: bytes, message: ClientMessage) -> None:
         if isinstance(message, Generate):
@@ -142,27 +177,36 @@ class FrontendMixin:
         elif isinstance(message, Abort):
             self._abort(identity, owner, message.request_id)
         elif isinstance(message, Inspect):
-            self._send(identity, self._inspect())
+            self.send(identity, self._inspect())
         elif isinstance(message, Health):
-            self._send(identity, self._health())
+            self.send(identity, self._health())
         elif isinstance(message, Ping):
-            self._send(identity, Pong())
+            self.send(identity, Pong())
 
-    def _refuse(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
-        self._send(identity, ErrorReply(request_id=request_id, code=code, message=message))
+    def _refuse(
+        self, identity: bytes, request_id: str | None, code: ErrorCode, message: str
+    ) -> None:
+        self.send(identity, ErrorReply(request_id=request_id, code=code, message=message))
 
     def _generate(self, identity: bytes, owner: bytes, msg: Generate) -> None:
         rid = msg.request_id
         if self.stopping:
-            return self._refuse(identity, rid, "shutting_down", "the server is shutting down")
+            return self._refuse(
+                identity, rid, ErrorCode.SHUTTING_DOWN, "the server is shutting down"
+            )
         if not rid:
-            return self._refuse(identity, rid, "bad_request", "request_id must not be empty")
+            return self._refuse(
+                identity, rid, ErrorCode.BAD_REQUEST, "request_id must not be empty"
+            )
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             return self._refuse(
-                identity, rid, "bad_request", "give exactly one of prompt and prompt_token_ids"
+                identity,
+                rid,
+                ErrorCode.BAD_REQUEST,
+                "give exactly one of prompt and prompt_token_ids",
             )
         if rid in self.outputs.requests:
-            return self._refuse(identity, rid, "duplicate", f"request_id {rid!r} is in use")
+            return self._refuse(identity, rid, ErrorCode.DUPLICATE, f"request_id {rid!r} is in use")
         limit = self.server.max_prompt_bytes
         if msg.prompt is not None and len(msg.prompt) > limit // 4:  # cheap before exact
             size = len(msg.prompt.encode("utf-8", "surrogatepass"))
@@ -170,11 +214,13 @@ class FrontendMixin:
                 return self._refuse(
                     identity,
                     rid,
-                    "bad_request",
+                    ErrorCode.BAD_REQUEST,
                     f"prompt is {size} bytes; this server takes at most max_prompt_bytes={limit}",
                 )
         if self.core is None and len(self.backlog) >= self.config.max_waiting_requests:
-            return self._refuse(identity, rid, "overloaded", "no worker yet and the queue is full")
+            return self._refuse(
+                identity, rid, ErrorCode.OVERLOADED, "no worker yet and the queue is full"
+            )
         request = ClientRequest(
             request_id=rid,
             client=identity,
@@ -224,9 +270,9 @@ class FrontendMixin:
             )
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
-            return self._refuse(request.client, rid, REJECT_CODES[exc.code], exc.message)
+            return self._refuse(request.client, rid, exc.code, exc.message)
         request.prompt_token_ids = prompt
-        self._send(request.client, Accepted(request_id=rid, prompt_token_ids=prompt))
+        self.send(request.client, Accepted(request_id=rid, prompt_token_ids=prompt))
         self.wake.set()
         return None
 
@@ -237,17 +283,22 @@ class FrontendMixin:
         if request is not None and request.owner == owner:
             aborted = not request.ending
             if aborted:
-                self._end_request(request_id)
-            return self._send(identity, AbortAck(request_id=request_id, aborted=aborted))
+                self.end_request(request_id)
+            return self.send(identity, AbortAck(request_id=request_id, aborted=aborted))
         if self.outputs.finished_owners.get(request_id) == owner:
-            return self._send(identity, AbortAck(request_id=request_id, aborted=False))
+            return self.send(identity, AbortAck(request_id=request_id, aborted=False))
         return self._refuse(
-            identity, request_id, "unknown_request", f"this client has no request {request_id!r}"
+            identity,
+            request_id,
+            ErrorCode.UNKNOWN_REQUEST,
+            f"this client has no request {request_id!r}",
         )
 
-    def _end_request(self, request_id: str, code: str = "", message: str = "") -> None:
+    def end_request(
+        self, request_id: str, code: ErrorCode | None = None, message: str = ""
+    ) -> None:
         """Abort a request wherever it is (backlog, tokenizer, core) and tell its client,
-        in event order: Finished with reason "abort", or, given a ``code``, ErrorReply."""
+        in event order: Finished with reason ``abort``, or, given a ``code``, ErrorReply."""
         request = self.outputs.requests.get(request_id)
         if request is None or request.ending:
             return
@@ -260,7 +311,7 @@ class FrontendMixin:
     def _inspect(self) -> InspectReply:
         config = self.core.config if self.core is not None else self.config
         return InspectReply(
-            snapshot=self.core.snapshot() if self.core is not None else None,
+            snapshot=snapshot(self.core) if self.core is not None else None,
             workers=self.registry.info(),
             config=msgspec.to_builtins(config),
             model=self.model,
@@ -270,13 +321,13 @@ class FrontendMixin:
     def _health(self) -> HealthStatus:
         ready = len(self.registry.ready())
         if self.stopping:
-            status = "draining"
+            status = HealthState.DRAINING
         elif self.core is None or not self.registry.ever_ready:
-            status = "starting"
+            status = HealthState.STARTING
         elif ready >= self.registry.expected:
-            status = "ok"
+            status = HealthState.OK
         else:
-            status = "degraded"
+            status = HealthState.DEGRADED
         return HealthStatus(
             status=status,
             workers_ready=ready,
@@ -284,3 +335,17 @@ class FrontendMixin:
             step=self.core.step if self.core is not None else 0,
             uptime_s=time.monotonic() - self.started,
         )
+
+    def check_clients(self, now: float) -> None:
+        """Abort the requests of clients silent for ``client_timeout_s`` and forget them."""
+        silent = {
+            c for c, seen in self.clients.items() if now - seen > self.server.client_timeout_s
+        }
+        if not silent:
+            return
+        for request_id, request in list(self.outputs.requests.items()):
+            if request.client in silent:
+                log.info("client went silent: aborting %s", request_id)
+                self.end_request(request_id)
+        for client in silent:
+            del self.clients[client]

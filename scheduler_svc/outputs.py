@@ -14,9 +14,18 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from ipc.schema import Delta, DeltaBatch, ErrorReply, Finished, ServerMessage, Timings, Usage
+from ipc.schema import (
+    Delta,
+    DeltaBatch,
+    ErrorCode,
+    ErrorReply,
+    Finished,
+    ServerMessage,
+    Timings,
+    Usage,
+)
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from shared.outputs import Completion, CompletionSample
+from shared.outputs import Completion, CompletionSample, FinishReason
 from shared.sampling import SamplingParams
 
 
@@ -26,7 +35,7 @@ class StepEvents:
 
     tokens: list[tuple[str, int, str, int]] = field(default_factory=list)
     """(request id, sample index, sequence id, new token)."""
-    finished_seqs: list[tuple[str, int, str]] = field(default_factory=list)
+    finished_seqs: list[tuple[str, int, FinishReason]] = field(default_factory=list)
     """(request id, sample index, finish reason)."""
     finished_requests: list[str] = field(default_factory=list)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -55,7 +64,7 @@ class ClientRequest:
     first_scheduled: float | None = None
     first_token: float | None = None
     samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    reasons: dict[int, str] = field(default_factory=dict)
+    reasons: dict[int, FinishReason] = field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     ending: bool = False
     """Aborted or failed; its Finished / ErrorReply is on its way."""
@@ -64,10 +73,10 @@ class ClientRequest:
 @dataclass(slots=True, frozen=True)
 class RequestEnded:
     """A request ended outside a step (aborted, its client gone, failed): it gets
-    Finished with reason "abort", or, given a ``code``, ErrorReply(code, message)."""
+    Finished with reason ``abort``, or, given a ``code``, ErrorReply(code, message)."""
 
     request_id: str
-    code: str = ""
+    code: ErrorCode | None = None
     message: str = ""
 
 
@@ -105,7 +114,7 @@ class OutputProcessor:
     def handle(self, item: StepEvents | RequestEnded) -> None:
         if isinstance(item, StepEvents):
             self.on_step(item)
-        elif item.code:
+        elif item.code is not None:
             self.fail(item.request_id, item.code, item.message)
         else:
             self.finish(item.request_id)
@@ -146,7 +155,7 @@ class OutputProcessor:
             text = detok.advance(decoded[2 * position], decoded[2 * position + 1])
             reason = ended.get((request_id, index))
             if detok.stopped and index not in req.reasons:
-                reason = "stop"
+                reason = FinishReason.STOP
                 stopped.append(seq_id)
             if reason is not None:
                 req.reasons.setdefault(index, reason)
@@ -174,7 +183,7 @@ class OutputProcessor:
         for request_id in events.finished_requests:
             self.finish(request_id)
 
-    def finish(self, request_id: str, reason_for_rest: str = "abort") -> None:
+    def finish(self, request_id: str, reason_for_rest: FinishReason = FinishReason.ABORT) -> None:
         """Send Finished; samples with no reason yet end with ``reason_for_rest``."""
         req = self._forget(request_id)
         if req is None:
@@ -226,7 +235,7 @@ class OutputProcessor:
             ),
         )
 
-    def fail(self, request_id: str, code: str, message: str) -> None:
+    def fail(self, request_id: str, code: ErrorCode, message: str) -> None:
         req = self._forget(request_id)
         if req is not None:
             self.send(req.client, ErrorReply(request_id=request_id, code=code, message=message))

@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 from typing import Literal, Protocol
 
 from scheduler_svc.request import QueueKey, Request, Sequence
-from shared.config import SchedulerConfig
+from shared.config import PreemptionSetting, SchedulerConfig
 
 PreemptionMode = Literal["swap", "recompute"]
 
@@ -218,7 +218,7 @@ class PreemptionCostModel:
     def __init__(
         self,
         *,
-        mode: Literal["auto", "swap", "recompute"],
+        mode: PreemptionSetting,
         kv_bytes_per_block: int,
         swap_bandwidth_bytes_per_s: float,
         prefill_tokens_per_s: float,

@@ -10,8 +10,8 @@ latest sampled token of a decode.
 
 from __future__ import annotations
 
-import enum
-
+from ipc.schema import ErrorCode, SeqStatus
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 QueueKey = tuple[float, int, int] | tuple[float, int, int, int]
@@ -20,27 +20,12 @@ term, round, arrival number, sample index)``; one scheduler uses one shape only.
 ``policies``."""
 
 
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
 class RejectedError(Exception):
-    """A request refused at submission; ``code`` is machine-readable, the message is not.
+    """A request refused at submission; ``code`` is what its client gets in the
+    ``ErrorReply`` (``BAD_REQUEST``, ``DUPLICATE``, ``REJECTED``: can never fit,
+    ``OVERLOADED``: waiting queue full), the message says why."""
 
-    Codes: ``invalid`` (bad request data), ``duplicate`` (the id, or one of its sample
-    ids, is in use), ``too_long`` (can never fit), ``overloaded`` (waiting queue full).
-    """
-
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message

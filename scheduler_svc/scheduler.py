@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from ipc.schema import (
     BatchPlan,
     BlockUpdate,
+    ErrorCode,
     NewSeq,
+    SeqStatus,
     StepResult,
 )
-from scheduler_svc.introspection import IntrospectionMixin
 from scheduler_svc.kv_manager import KVCacheManager
 from scheduler_svc.policies import (
     FairShareRounds,
@@ -45,15 +46,9 @@ from scheduler_svc.policies import (
     make_queue_order,
 )
 from scheduler_svc.queues import SeqQueue
-from scheduler_svc.request import (
-    FinishReason,
-    QueueKey,
-    RejectedError,
-    Request,
-    SeqStatus,
-    Sequence,
-)
+from scheduler_svc.request import QueueKey, RejectedError, Request, Sequence
 from shared.config import SchedulerConfig
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 QUARANTINE_AFTER_FAILED_STEPS = 2
@@ -90,7 +85,7 @@ def _sort_key(seq: Sequence) -> QueueKey:
     return seq.key
 
 
-class Scheduler(IntrospectionMixin):
+class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -140,11 +135,13 @@ class Scheduler(IntrospectionMixin):
         self._freed_seq_ids: list[str] = []
         self._reset_workers = False
         """The next plan must tell workers to forget everything (a worker was lost)."""
-        self._cpu_release: list[int] = []
+        self.cpu_release: list[int] = []
+        """CPU blocks of the swap-ins in flight, released when their step's result arrives."""
         self._inflight: list[tuple[Sequence, int]] | None = None
         self._inflight_swap_outs: list[Sequence] = []
         """Sequences whose swap-out copies ride on the plan in flight."""
-        self._last_plan_tokens = 0
+        self.last_plan_tokens = 0
+        """Tokens the last plan scheduled."""
         self.report = StepReport(step=-1)
         self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
         self.finished_counts: dict[str, int] = {r.value: 0 for r in FinishReason}
@@ -189,32 +186,38 @@ class Scheduler(IntrospectionMixin):
     ) -> Request:
         cfg = self.config
         if not isinstance(request_id, str) or not request_id:
-            raise RejectedError("invalid", "request_id must be a non-empty string")
+            raise RejectedError(ErrorCode.BAD_REQUEST, "request_id must be a non-empty string")
         if request_id in self.requests:
-            raise RejectedError("duplicate", f"request_id {request_id!r} is already in use")
+            raise RejectedError(ErrorCode.DUPLICATE, f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
-            raise RejectedError("invalid", "params must be SamplingParams")
+            raise RejectedError(ErrorCode.BAD_REQUEST, "params must be SamplingParams")
         if type(priority) is not int:
-            raise RejectedError("invalid", f"priority must be an integer, got {priority!r}")
+            raise RejectedError(
+                ErrorCode.BAD_REQUEST, f"priority must be an integer, got {priority!r}"
+            )
         if not isinstance(client, str):
-            raise RejectedError("invalid", f"client must be a string, got {client!r}")
+            raise RejectedError(ErrorCode.BAD_REQUEST, f"client must be a string, got {client!r}")
         if not isinstance(prompt, list) or not prompt:
-            raise RejectedError("invalid", "prompt_token_ids must be a non-empty list")
+            raise RejectedError(ErrorCode.BAD_REQUEST, "prompt_token_ids must be a non-empty list")
         if not all(type(t) is int and t >= 0 for t in prompt):
-            raise RejectedError("invalid", "prompt_token_ids must hold non-negative integers")
+            raise RejectedError(
+                ErrorCode.BAD_REQUEST, "prompt_token_ids must hold non-negative integers"
+            )
         vocab = self.vocab_size
         if vocab is not None and max(prompt) >= vocab:
             position, token = next((i, t) for i, t in enumerate(prompt) if t >= vocab)
             raise RejectedError(
-                "invalid",
+                ErrorCode.BAD_REQUEST,
                 f"prompt_token_ids: token id {token} (position {position}) is outside the "
                 f"model's vocabulary [0, {vocab})",
             )
         if params.n > cfg.max_num_seqs:
-            raise RejectedError("invalid", f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+            raise RejectedError(
+                ErrorCode.BAD_REQUEST, f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
+            )
         if len(prompt) >= cfg.max_model_len:
             raise RejectedError(
-                "too_long",
+                ErrorCode.REJECTED,
                 f"prompt has {len(prompt)} tokens; max_model_len={cfg.max_model_len} "
                 "leaves no room for output",
             )
@@ -222,23 +225,25 @@ class Scheduler(IntrospectionMixin):
         total = len(prompt) + max_output
         if total > cfg.max_model_len:
             raise RejectedError(
-                "too_long",
+                ErrorCode.REJECTED,
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_output}) = {total} "
                 f"exceeds max_model_len={cfg.max_model_len}",
             )
         if self.kv.blocks_for(total) > self.capacity_blocks:
             raise RejectedError(
-                "too_long",
+                ErrorCode.REJECTED,
                 f"{total} tokens need {self.kv.blocks_for(total)} KV blocks; the cache "
                 f"admits at most {self.capacity_blocks}",
             )
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
             if seq_id in self.seqs:
-                raise RejectedError("duplicate", f"sequence id {seq_id!r} is already in use")
+                raise RejectedError(
+                    ErrorCode.DUPLICATE, f"sequence id {seq_id!r} is already in use"
+                )
         if len(self.waiting) >= cfg.max_waiting_requests:
             raise RejectedError(
-                "overloaded",
+                ErrorCode.OVERLOADED,
                 f"waiting queue is full ({cfg.max_waiting_requests} requests); retry later",
             )
         self._arrivals += 1
@@ -339,7 +344,7 @@ class Scheduler(IntrospectionMixin):
                     self.swapped.pop()
                     pairs, cpu_blocks = kv.swap_in(seq, hits)
                     step.swap_in.extend(pairs)
-                    self._cpu_release.extend(cpu_blocks)
+                    self.cpu_release.extend(cpu_blocks)
                     report.swapped_in.append(seq.seq_id)
                 else:
                     hits = kv.find_prefix(seq)
@@ -371,7 +376,7 @@ class Scheduler(IntrospectionMixin):
         self._reset_workers = False
         self._inflight = step.inflight
         self._inflight_swap_outs = step.swapped_out
-        self._last_plan_tokens = cfg.max_num_batched_tokens - budget
+        self.last_plan_tokens = cfg.max_num_batched_tokens - budget
         self.step += 1
         return plan
 
@@ -488,8 +493,8 @@ class Scheduler(IntrospectionMixin):
         self._inflight = None
         self._inflight_swap_outs = []
         # The swap-ins of that step have run: their CPU blocks are free again.
-        self.kv.cpu_pool.release(self._cpu_release)
-        self._cpu_release = []
+        self.kv.cpu_pool.release(self.cpu_release)
+        self.cpu_release = []
         sampled = result.sampled_token_ids
         logprobs = result.logprobs or {}
         outcome = UpdateOutcome()
@@ -621,8 +626,8 @@ class Scheduler(IntrospectionMixin):
             if seq.status is not SeqStatus.FINISHED
         }
         self._inflight = None
-        self.kv.cpu_pool.release(self._cpu_release)
-        self._cpu_release = []
+        self.kv.cpu_pool.release(self.cpu_release)
+        self.cpu_release = []
         for seq in self._inflight_swap_outs:
             if seq.status is SeqStatus.SWAPPED:
                 self.swapped.remove(seq)

@@ -26,6 +26,7 @@ from scheduler_svc.request import RejectedError
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 from shared.stats import percentile, summarize
 
@@ -178,7 +179,7 @@ class Simulation:
                     record_rejected.append({"id": req.id, "reason": exc.message})
             for request_id in aborts.pop(step, ()):
                 if sched.abort(request_id):
-                    record_finished.append({"id": request_id, "reason": "abort"})
+                    record_finished.append({"id": request_id, "reason": FinishReason.ABORT})
 
             record = self.engine.step()  # raises AssertionError on a broken invariant
             plan, outcome = record.plan, record.outcome

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ipc.schema import BatchPlan, StepResult
+from scheduler_svc.introspection import check_invariants
 from scheduler_svc.outputs import StepEvents
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from shared.outputs import FinishReason
 
 
 class StepLostError(RuntimeError):
@@ -140,8 +142,7 @@ class StepEngine:
                 for s in outcome.advanced
             ],
             finished_seqs=[
-                (s.request.request_id, s.sample_index, str(s.finish_reason))
-                for s in outcome.finished
+                (s.request.request_id, s.sample_index, s.finish_reason) for s in outcome.finished
             ],
             finished_requests=[r.request_id for r in outcome.finished_requests],
             logprobs=outcome.logprobs,
@@ -157,5 +158,5 @@ class StepEngine:
         return record
 
     def _check(self, after: str, step: int) -> None:
-        if self.check_invariants and (problems := self.core.check_invariants()):
+        if self.check_invariants and (problems := check_invariants(self.core)):
             raise AssertionError(f"step {step}, after {after}: " + "; ".join(problems))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ipc.schema import WorkerHello, WorkerInfo, WorkerJoin
+from ipc.schema import WorkerHello, WorkerInfo, WorkerJoin, WorkerStatus
 from shared.procinfo import host_id, process_alive
 
 
@@ -20,8 +20,7 @@ class WorkerHandle:
     pid: int
     device: str
     last_seen: float
-    state: str = "starting"
-    """``starting`` (loading the model), ``ready`` (hello received), ``lost``."""
+    state: WorkerStatus = WorkerStatus.STARTING
     hello: WorkerHello | None = None
     start_time: int = 0
     """The process's start time when it runs in this pid namespace (0: cannot watch it)."""
@@ -72,18 +71,19 @@ class WorkerRegistry:
 
     def ready(self) -> list[WorkerHandle]:
         return sorted(
-            (w for w in self.workers.values() if w.state == "ready"), key=lambda w: w.rank
+            (w for w in self.workers.values() if w.state is WorkerStatus.READY),
+            key=lambda w: w.rank,
         )
 
     def mark_ready(self, handle: WorkerHandle, hello: WorkerHello) -> None:
         handle.hello = hello
-        handle.state = "ready"
+        handle.state = WorkerStatus.READY
         self.ever_ready = True
 
     def drop(self, identity: bytes) -> WorkerHandle | None:
         handle = self.workers.pop(identity, None)
         if handle is not None:
-            handle.state = "lost"
+            handle.state = WorkerStatus.LOST
             self.lost = [*self.lost, handle][-self.MAX_LOST_SHOWN :]
         return handle
 

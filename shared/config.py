@@ -37,7 +37,7 @@ __all__ = [
     "load_config",
 ]
 
-PreemptionMode = Literal["auto", "swap", "recompute"]
+PreemptionSetting = Literal["auto", "swap", "recompute"]
 QueuePolicy = Literal["fcfs", "priority"]
 
 _POWER_OF_TWO = Check(lambda n: n & (n - 1) == 0, "a power of two between 1 and 256")
@@ -90,7 +90,7 @@ class SchedulerConfig(Settings, frozen=True):
         ),
     ] = 0.01
     preemption_mode: Annotated[
-        PreemptionMode,
+        PreemptionSetting,
         Meta(description="How victims give up KV: auto (cost model), swap or recompute."),
     ] = "auto"
     policy: Annotated[

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sample ended; on the wire as its value."""
+
+    STOP = "stop"
+    """EOS, a stop token or a stop string."""
+    LENGTH = "length"
+    """``max_tokens`` or the model's context length."""
+    ABORT = "abort"
+    """Aborted (by its client, or the client went away)."""
 
 
 class CompletionSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -11,8 +24,7 @@ class CompletionSample(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str
-    """``stop`` (EOS, stop token or stop string), ``length`` or ``abort``."""
+    finish_reason: FinishReason
     logprobs: list[dict[int, float]] | None = None
     """Per output token, when asked for: the sampled token and the top ones -> logprob."""
 
@@ -31,5 +43,5 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
         return self.samples[0].text
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> FinishReason:
         return self.samples[0].finish_reason

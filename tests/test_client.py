@@ -17,12 +17,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from ipc.client import AsyncClient, Client, Completion
+from ipc.client import AsyncClient, Client, ClientCompletion
 from ipc.errors import (
     BadRequestError,
     ClientClosedError,
     ClientTimeoutError,
+    InternalServerError,
     OverloadedError,
+    QuarantinedError,
     RequestRejectedError,
     ServerError,
     ServerUnavailableError,
@@ -37,6 +39,7 @@ from ipc.schema import (
     Accepted,
     ClientMessage,
     Delta,
+    ErrorCode,
     ErrorReply,
     Finished,
     Generate,
@@ -196,21 +199,22 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 @pytest.mark.parametrize(
     ("code", "error_class"),
     [
-        ("bad_request", BadRequestError),
-        ("duplicate", BadRequestError),
-        ("unknown_request", UnknownRequestError),
-        ("rejected", RequestRejectedError),
-        ("overloaded", OverloadedError),
-        ("worker_lost", WorkerLostError),
-        ("shutting_down", ShuttingDownError),
-        ("something_new", ServerError),
+        (ErrorCode.BAD_REQUEST, BadRequestError),
+        (ErrorCode.DUPLICATE, BadRequestError),
+        (ErrorCode.UNKNOWN_REQUEST, UnknownRequestError),
+        (ErrorCode.REJECTED, RequestRejectedError),
+        (ErrorCode.OVERLOADED, OverloadedError),
+        (ErrorCode.WORKER_LOST, WorkerLostError),
+        (ErrorCode.QUARANTINED, QuarantinedError),
+        (ErrorCode.SHUTTING_DOWN, ShuttingDownError),
+        (ErrorCode.INTERNAL, InternalServerError),
     ],
 )
-def test_error_from_reply(code: str, error_class: type[ServerError]) -> None:
+def test_error_from_reply(code: ErrorCode, error_class: type[ServerError]) -> None:
     error = error_from_reply(ErrorReply(request_id="r1", code=code, message="no way"))
     assert type(error) is error_class
     assert (error.code, error.message, error.request_id) == (code, "no way", "r1")
-    assert str(error) == f"{code}: no way"
+    assert str(error) == f"{code.value}: no way"
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is error_class and str(copy) == str(error)
 
@@ -226,12 +230,12 @@ def test_client_timeout_error() -> None:
 
 
 def test_generate_round_trip(server: FakeServer) -> None:
-    async def main() -> Completion:
+    async def main() -> ClientCompletion:
         async with AsyncClient(server.address) as client:
             return await client.generate("hello big world", request_id="r1", n=2, seed=3)
 
     completion = run(main())
-    assert isinstance(completion, Completion)
+    assert isinstance(completion, ClientCompletion)
     assert completion.request_id == "r1"
     assert completion.prompt_token_ids == [5, 3, 5]
     assert completion.token_ids == [105, 103, 105]
@@ -249,12 +253,12 @@ def test_generate_round_trip(server: FakeServer) -> None:
 
 
 def test_generate_token_ids_and_priority(server: FakeServer) -> None:
-    async def main() -> Completion:
+    async def main() -> ClientCompletion:
         async with AsyncClient(server.address) as client:
             return await client.generate(prompt_token_ids=[1, 2], priority=5, max_tokens=4)
 
     completion = run(main())
-    assert isinstance(completion, Completion)
+    assert isinstance(completion, ClientCompletion)
     assert completion.prompt_token_ids == [1, 2] and len(completion.request_id) == 32
     (request,) = server.messages(Generate)
     assert isinstance(request, Generate)
@@ -331,7 +335,7 @@ def test_concurrent_generates_answered_out_of_order(server: FakeServer) -> None:
 
     server.handler = reversed_order
 
-    async def main() -> list[Completion]:
+    async def main() -> list[ClientCompletion]:
         async with AsyncClient(server.address) as client:
             return await asyncio.gather(
                 *(client.generate(prompt_token_ids=[i], request_id=f"c{i}") for i in range(count))
@@ -737,7 +741,7 @@ def test_pongs_keep_a_long_request_alive(server: FakeServer) -> None:
     meanwhile, lives on the Pongs to the client's pings."""
     server.handler = lambda message: answer(message, finish_delay=1.2)
 
-    async def main() -> Completion:
+    async def main() -> ClientCompletion:
         async with AsyncClient(server.address, timeout=None, **FAST) as client:
             return await client.generate("long one", request_id="long")
 

@@ -324,3 +324,14 @@ def test_the_scheduler_side_loads_no_torch() -> None:
         cwd=ROOT,
     )
     assert out.stdout.strip() == "", f"the scheduler side imported {out.stdout.strip()}"
+
+
+def test_no_two_classes_share_a_name() -> None:
+    """A class name means one thing across the packages (issue 9): ``Completion`` is the
+    engine's and the wire's, the client's is ``ClientCompletion``."""
+    defined: dict[str, list[str]] = defaultdict(list)
+    for module, path in _project_modules(ROOT).items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                defined[node.name].append(module)
+    assert {name: where for name, where in defined.items() if len(where) > 1} == {}

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from ipc.schema import BatchPlan, StepResult
+from ipc.schema import BatchPlan, ErrorCode, SeqStatus, StepResult
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.request import FinishReason, RejectedError, Request, SeqStatus
+from scheduler_svc.introspection import check_invariants, snapshot
+from scheduler_svc.request import RejectedError, Request
 from scheduler_svc.scheduler import Scheduler, UpdateOutcome, WorkerProtocolError
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 BS = 4
@@ -75,7 +77,7 @@ class Harness:
         return request
 
     def check(self, plan: BatchPlan | None = None) -> None:
-        assert self.sched.check_invariants() == []
+        assert check_invariants(self.sched) == []
         if plan is not None:
             assert plan.total_tokens <= self.cfg.max_num_batched_tokens
             assert len(plan.num_scheduled_tokens) <= self.cfg.max_num_seqs
@@ -126,7 +128,7 @@ def rejected(h: Harness, request_id: str, prompt: int | list[int], **params: obj
 def test_rejects_prompt_plus_max_tokens_beyond_max_model_len() -> None:
     h = Harness(max_model_len=32)
     error = rejected(h, "r", 10, max_tokens=30)
-    assert error.code == "too_long"
+    assert error.code is ErrorCode.REJECTED
     assert "40" in error.message and "32" in error.message
     assert "r" not in h.sched.requests
     assert h.sched.finished_counts["rejected"] == 1
@@ -135,14 +137,14 @@ def test_rejects_prompt_plus_max_tokens_beyond_max_model_len() -> None:
 def test_rejects_a_prompt_that_fills_max_model_len() -> None:
     h = Harness(max_model_len=32)
     error = rejected(h, "r", 32, max_tokens=None)
-    assert error.code == "too_long"
+    assert error.code is ErrorCode.REJECTED
     assert "32" in error.message
 
 
 def test_rejects_a_request_needing_more_blocks_than_the_pool() -> None:
     h = Harness(num_gpu_blocks=4, max_model_len=64)
     error = rejected(h, "r", 10, max_tokens=10)  # 20 tokens = 5 blocks
-    assert error.code == "too_long"
+    assert error.code is ErrorCode.REJECTED
     assert "5" in error.message and "4" in error.message
     h.add("ok", 10, max_tokens=6)  # 16 tokens = 4 blocks: fits exactly
 
@@ -151,7 +153,7 @@ def test_rejects_a_duplicate_id_and_keeps_the_original() -> None:
     h = Harness()
     first = h.add("r", 5, max_tokens=2)
     error = rejected(h, "r", 5, max_tokens=2)
-    assert error.code == "duplicate"
+    assert error.code is ErrorCode.DUPLICATE
     assert "'r'" in error.message
     assert h.sched.requests["r"] is first
     assert len(h.sched.waiting) == 1
@@ -163,7 +165,7 @@ def test_rejects_a_sample_id_clash() -> None:
     h = Harness()
     h.add("x/1", 5, max_tokens=2)
     error = rejected(h, "x", 5, max_tokens=2, n=2)
-    assert error.code == "duplicate"
+    assert error.code is ErrorCode.DUPLICATE
     assert "x/1" in error.message
 
 
@@ -171,14 +173,14 @@ def test_rejects_a_sample_id_clash() -> None:
 def test_rejects_bad_prompts(prompt: list[int]) -> None:
     h = Harness()
     error = rejected(h, "r", prompt)
-    assert error.code == "invalid"
+    assert error.code is ErrorCode.BAD_REQUEST
     assert "prompt_token_ids" in error.message
 
 
 def test_rejects_n_beyond_max_num_seqs() -> None:
     h = Harness(max_num_seqs=2)
     error = rejected(h, "r", 5, max_tokens=2, n=3)
-    assert error.code == "invalid"
+    assert error.code is ErrorCode.BAD_REQUEST
     assert "n=3" in error.message and "max_num_seqs=2" in error.message
     h.add("ok", 5, max_tokens=2, n=2)
 
@@ -188,7 +190,7 @@ def test_rejects_when_the_waiting_queue_is_full() -> None:
     h.add("a", 5, max_tokens=2)
     h.add("b", 5, max_tokens=2)
     error = rejected(h, "c", 5, max_tokens=2)
-    assert error.code == "overloaded"
+    assert error.code is ErrorCode.OVERLOADED
     assert "2" in error.message
     assert h.sched.finished_counts["rejected"] == 1
     h.step()  # both admitted: the queue has room again
@@ -201,14 +203,14 @@ def test_rejects_a_non_integer_priority() -> None:
     h = Harness()
     with pytest.raises(RejectedError) as info:
         h.sched.add_request("r", [1, 2], SamplingParams(), priority=1.5)  # type: ignore[arg-type]
-    assert info.value.code == "invalid"
+    assert info.value.code is ErrorCode.BAD_REQUEST
 
 
 def test_rejects_a_non_string_client() -> None:
     h = Harness()
     with pytest.raises(RejectedError) as info:
         h.sched.add_request("r", [1, 2], SamplingParams(), client=7)  # type: ignore[arg-type]
-    assert info.value.code == "invalid"
+    assert info.value.code is ErrorCode.BAD_REQUEST
     assert len(h.sched.fair_share) == 0
 
 
@@ -334,7 +336,7 @@ def test_min_tokens_suppresses_an_early_eos() -> None:
     assert seq.finish_reason == FinishReason.STOP
     assert outcome.finished_requests == [request]
     assert seq.output_token_ids == [eos, eos, eos]
-    assert h.sched.check_invariants() == []
+    assert check_invariants(h.sched) == []
 
 
 def test_stop_token_ids_stop_the_request() -> None:
@@ -744,7 +746,7 @@ def test_snapshot_reflects_the_state() -> None:
     h.add("a", 10, max_tokens=4)
     h.add("b", 6, max_tokens=4, priority=3)
     h.step()
-    snap = h.sched.snapshot()
+    snap = snapshot(h.sched)
     assert snap.step == 1
     assert snap.num_running == 2
     assert snap.num_waiting == 0
@@ -948,7 +950,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused() -> None:
     for token in (100, 10**9, 2**64 - 1):
         with pytest.raises(RejectedError, match=rf"token id {token} \(position 2\)") as refused:
             sched.add_request(f"bad-{token}", [1, 5, token], SamplingParams(max_tokens=2))
-        assert refused.value.code == "invalid"
+        assert refused.value.code is ErrorCode.BAD_REQUEST
         assert "vocabulary [0, 100)" in refused.value.message
     assert list(sched.requests) == ["ok"]
 

@@ -9,16 +9,28 @@ from ipc.schema import (
     BatchPlan,
     BlockUpdate,
     BlockUsage,
+    Delta,
+    ErrorCode,
+    ErrorReply,
+    HealthState,
+    HealthStatus,
+    InspectReply,
     NewSeq,
     PrefixCacheStats,
     SchedulerSnapshot,
     SeqInfo,
+    SeqStatus,
+    ServerMessage,
     StepResult,
     StepTiming,
     WorkerHello,
+    WorkerInfo,
+    WorkerStatus,
     decode,
     encode,
+    server_decoder,
 )
+from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 
@@ -64,7 +76,7 @@ def make_snapshot() -> SchedulerSnapshot:
             SeqInfo(
                 seq_id="a",
                 request_id="a",
-                state="running",
+                state=SeqStatus.RUNNING,
                 priority=0,
                 num_prompt_tokens=6,
                 num_output_tokens=2,
@@ -158,6 +170,67 @@ def test_frames_carry_their_tag() -> None:
 def test_decoder_rejects_garbage(data: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         decode(data)
+
+
+ENUMERATED = [
+    # (message, path of the enumerated field, its wire value)
+    (ErrorReply(request_id="r", code=ErrorCode.WORKER_LOST, message="m"), ("code",), "worker_lost"),
+    (
+        Delta(request_id="r", index=0, token_ids=[], text="", finish_reason=FinishReason.LENGTH),
+        ("finish_reason",),
+        "length",
+    ),
+    (
+        HealthStatus(
+            status=HealthState.DEGRADED, workers_ready=0, workers_expected=1, step=0, uptime_s=0
+        ),
+        ("status",),
+        "degraded",
+    ),
+    (
+        InspectReply(
+            snapshot=None,
+            workers=[WorkerInfo(rank=0, pid=1, device="cpu", state=WorkerStatus.READY)],
+            config={},
+            model="m",
+            frontend="f",
+        ),
+        ("workers", 0, "state"),
+        "ready",
+    ),
+]
+
+
+@pytest.mark.parametrize(("message", "path", "wire"), ENUMERATED)
+def test_enumerated_values_are_plain_strings_on_the_wire(
+    message: ServerMessage, path: tuple[str | int, ...], wire: str
+) -> None:
+    raw = msgspec.msgpack.decode(encode(message))
+    for key in path:
+        raw = raw[key]
+    assert type(raw) is str and raw == wire
+    assert server_decoder.decode(encode(message)) == message
+
+
+@pytest.mark.parametrize(("message", "path", "wire"), ENUMERATED)
+def test_an_unknown_enumerated_value_fails_decoding(
+    message: ServerMessage, path: tuple[str | int, ...], wire: str
+) -> None:
+    raw = msgspec.msgpack.decode(encode(message))
+    inner = raw
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = "something_new"
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'something_new'"):
+        server_decoder.decode(msgspec.msgpack.encode(raw))
+
+
+def test_seq_states_in_a_snapshot_are_checked() -> None:
+    raw = msgspec.msgpack.decode(encode(make_snapshot()))
+    assert raw["seqs"][0]["state"] == SeqStatus.RUNNING.value
+    raw["seqs"][0]["state"] = "paused"
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.seqs\[0\]\.state"):
+        decode(msgspec.msgpack.encode(raw))
 
 
 def test_decoder_rejects_an_unknown_tag() -> None:

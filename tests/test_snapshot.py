@@ -1,4 +1,4 @@
-"""snapshot() and check_invariants() on a live scheduler."""
+"""introspection.snapshot() and check_invariants() on a live scheduler."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import msgspec
 
 from ipc.schema import SchedulerSnapshot, decode, encode
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.introspection import check_invariants, snapshot
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
@@ -41,7 +42,7 @@ def test_snapshot_reports_queues_blocks_and_requests() -> None:
     sched.add_request("b", list(range(3, 19)), greedy, priority=1)  # same prompt
     sched.add_request("c", list(range(40, 60)), greedy)
     step(sched, worker)
-    snap = sched.snapshot()
+    snap = snapshot(sched)
     assert snap.num_running == 3 and snap.num_waiting == 0
     assert snap.gpu_blocks.total == 12
     # a and b share 3 full prompt blocks (b hits 12 of its 16 tokens); c needs 5.
@@ -55,7 +56,7 @@ def test_snapshot_reports_queues_blocks_and_requests() -> None:
     assert used == 4 + 1 + 5
     for _ in range(8):
         step(sched, worker)
-    snap = sched.snapshot()
+    snap = snapshot(sched)
     assert snap.preemptions["swap"] >= 1
     assert snap.num_swapped + snap.num_waiting >= 1
     swapped = [i for i in snap.seqs if i.state == "swapped"]
@@ -70,7 +71,7 @@ def test_check_invariants_names_a_corrupted_refcount() -> None:
     step(sched, worker)
     block = sched.running[0].block_table[0]
     sched.kv.pool.ref_cnt[block] += 1
-    problems = sched.check_invariants()
+    problems = check_invariants(sched)
     assert any(f"device block {block}: refcount 2, held by 1" in p for p in problems)
 
 
@@ -79,4 +80,4 @@ def test_check_invariants_names_a_sequence_in_two_queues() -> None:
     sched.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4))
     step(sched, worker)
     sched.waiting.push(sched.running[0])
-    assert any("is in running and waiting" in p for p in sched.check_invariants())
+    assert any("is in running and waiting" in p for p in check_invariants(sched))

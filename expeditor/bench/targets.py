@@ -26,6 +26,7 @@ from typing import Any
 
 from expeditor.bench.metrics import KVSample, RequestTimeline
 from expeditor.bench.workloads import BenchRequest, Workload
+from ipc.schema import SchedulerSnapshot, SeqStatus
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
 
@@ -131,14 +132,14 @@ def _waste_sample(used: int, total: int, tables: list[tuple[int, int]], bs: int)
     )
 
 
-def _kv_from_snapshot(snapshot: Any, block_size: int) -> KVSample:
+def _kv_from_snapshot(snapshot: SchedulerSnapshot, block_size: int) -> KVSample:
     return _waste_sample(
         snapshot.gpu_blocks.total - snapshot.gpu_blocks.free,
         snapshot.gpu_blocks.total,
         [
             (s.num_gpu_blocks, s.num_prompt_tokens + s.num_output_tokens)
             for s in snapshot.seqs
-            if s.state == "running"
+            if s.state is SeqStatus.RUNNING
         ],
         block_size,
     )
