@@ -258,7 +258,8 @@ class Frontend:
             prompt = await asyncio.to_thread(self._tokenize, msg)
         finally:
             _malloc_trim()
-        if self.outputs.requests.get(request.request_id) is request:  # not aborted meanwhile
+        # Not aborted meanwhile (its RequestEnded may still wait for the output task).
+        if self.outputs.requests.get(request.request_id) is request and not request.ending:
             self._admit(request, msg, prompt)
 
     def _admit(self, request: ClientRequest, msg: Generate, prompt: list[int]) -> None:
