@@ -1,18 +1,15 @@
-"""The asynchronous client: :class:`AsyncClient`, :class:`AsyncStream` and
-:class:`ClientCompletion`. :mod:`ipc.client` re-exports all of it; read its docstring
-for usage."""
+"""The asynchronous client :class:`AsyncClient` (its requests: :mod:`ipc.stream`; its
+waiting calls: :mod:`ipc.waiters`; its socket: :mod:`ipc.dealer`). :mod:`ipc.client`
+re-exports all of this module's ``__all__``; read its docstring for usage."""
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import itertools
 import logging
-import math
-import uuid
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -20,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from ipc.dealer import connect, curve_keys, send, send_nowait
 from ipc.errors import (
     BadRequestError,
     ClientClosedError,
@@ -43,7 +41,6 @@ from ipc.schema import (
     ErrorCode,
     ErrorReply,
     Finished,
-    Generate,
     Health,
     HealthStatus,
     Inspect,
@@ -51,12 +48,20 @@ from ipc.schema import (
     Ping,
     Pong,
     ServerMessage,
-    Timings,
-    Usage,
-    encode,
     server_decoder,
 )
-from shared.outputs import CompletionSample, FinishReason
+from ipc.stream import AsyncStream, ClientCompletion, Event, Failure, generate_message
+from ipc.waiters import (
+    DEFAULT_TIMEOUT,
+    ControlEntry,
+    Timeout,
+    check_seconds,
+    check_timeout,
+    discard,
+    pop_entry,
+    pop_oldest,
+    pop_waiter,
+)
 from shared.sampling import SamplingParams
 
 __all__ = [
@@ -79,206 +84,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class _Default(enum.Enum):
-    TIMEOUT = "the client's timeout"
-
-
-DEFAULT_TIMEOUT = _Default.TIMEOUT
-"""Sentinel for a call's ``timeout``: use the client's own ``timeout``."""
-
-Timeout = float | None | _Default
-"""A call's timeout: seconds, ``None`` (wait forever) or :data:`DEFAULT_TIMEOUT`."""
-
-
-class ClientCompletion(msgspec.Struct, frozen=True, kw_only=True):
-    """A finished request as the client sees it.
-
-    The server's :class:`~shared.outputs.Completion` flattened, with what ``Finished``
-    adds: ``token_ids``, ``text`` and ``finish_reason`` are those of sample 0 (the only
-    one unless ``n > 1``); ``samples`` holds all of them.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    samples: list[CompletionSample]
-    usage: Usage
-    timings: Timings
-    """``queue_s`` (arrival to first scheduled), ``ttft_s`` (to first token),
-    ``total_s`` (to finish), all measured by the server."""
-
-    @classmethod
-    def from_finished(cls, finished: Finished) -> ClientCompletion:
-        samples = sorted(finished.completion.samples, key=lambda sample: sample.index)
-        first = samples[0] if samples else None
-        return cls(
-            request_id=finished.request_id,
-            prompt_token_ids=finished.completion.prompt_token_ids,
-            token_ids=first.token_ids if first else [],
-            text=first.text if first else "",
-            finish_reason=first.finish_reason if first else FinishReason.ABORT,
-            samples=samples,
-            usage=finished.usage,
-            timings=finished.timings,
-        )
-
-
-_Failure = ClientClosedError | ServerUnavailableError
-"""What fails every waiting call at once (see ``AsyncClient._fail_all``)."""
-
-_Event = Accepted | Delta | Finished | ErrorReply | _Failure
-"""What the receiver (or ``_fail_all``) hands a request's queue."""
-
-_ControlEntry = tuple[int, "asyncio.Future[Any]"]
-"""A waiting inspect/health/ping call: (send order, future of its reply)."""
-
-
-class _StreamState(enum.Enum):
-    NEW = "new"  # not sent yet
-    OPEN = "open"  # registered with the client and sent
-    DONE = "done"  # finished, failed, timed out or closed
-
-
-class AsyncStream:
-    """The Delta events of one streaming request: ``async for delta in stream``.
-
-    Made by :meth:`AsyncClient.stream`; the request is sent on the first iteration (or
-    on ``async with``). Iteration ends cleanly after the server's ``Finished``, whose
-    :class:`ClientCompletion` is then :attr:`completion`; an ``ErrorReply`` raises the
-    matching :class:`~ipc.errors.ServerError`, the deadline
-    :class:`~ipc.errors.ClientTimeoutError`, and a server silent for the client's
-    ``server_timeout_s`` :class:`~ipc.errors.ServerUnavailableError` (the request is
-    then aborted on the server without waiting, in case it was only stalled).
-    ``timeout`` bounds the whole request, from sending to ``Finished``.
-
-    Leaving early (``break``, an exception, :meth:`aclose`, or dropping the object)
-    aborts the request on the server, best effort. ``async with`` makes that explicit::
-
-        async with client.stream("Hi", max_tokens=100) as stream:
-            async for delta in stream:
-                if "." in delta.text:
-                    break  # the request is aborted on exit
-    """
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        request: Generate,
-        timeout: float | None,
-        operation: str = "stream",
-    ) -> None:
-        self._client = client
-        self._request = request
-        self._timeout = timeout
-        self._operation = operation
-        self._state = _StreamState.NEW
-        self._queue: asyncio.Queue[_Event] | None = None
-        self._deadline: float | None = None
-        self.request_id: str = request.request_id
-        self.prompt_token_ids: list[int] | None = None
-        """The prompt as the server tokenized it, once ``Accepted`` arrived."""
-        self.completion: ClientCompletion | None = None
-        """The result, once iteration ended with ``Finished``."""
-
-    @property
-    def done(self) -> bool:
-        return self._state is _StreamState.DONE
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> Delta:
-        delta = await self._next_or_none()
-        if delta is None:
-            raise StopAsyncIteration
-        return delta
-
-    async def __aenter__(self) -> Self:
-        await self._guarded(self._open())
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Stop: a request still running is aborted on the server (without waiting)."""
-        self._finish(abort=self._state is _StreamState.OPEN)
-
-    async def _next_or_none(self) -> Delta | None:
-        """The next Delta, or None once the request finished."""
-        if self._state is _StreamState.DONE:
-            return None
-        return await self._guarded(self._next_delta())
-
-    async def _guarded(self, step: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``step``; on a timeout, a cancellation or any failure, leave the stream
-        done and abort the request on the server if it was sent."""
-        try:
-            return await step
-        except TimeoutError:
-            self._finish(abort=True)
-            if self._timeout is None:
-                raise
-            raise ClientTimeoutError(self.request_id, self._timeout, self._operation) from None
-        except BaseException:
-            self._finish(abort=True)
-            raise
-
-    async def _open(self) -> None:
-        if self._state is not _StreamState.NEW:
-            return
-        client = self._client
-        client._ensure_started()
-        self._queue = client._register(self.request_id)
-        self._state = _StreamState.OPEN
-        if self._timeout is not None:
-            self._deadline = asyncio.get_running_loop().time() + self._timeout
-        async with asyncio.timeout_at(self._deadline):
-            await client._send(self._request)
-
-    async def _next_delta(self) -> Delta | None:
-        await self._open()
-        while True:
-            event = await self._next_event()
-            if isinstance(event, Delta):
-                return event
-            if isinstance(event, Accepted):
-                self.prompt_token_ids = event.prompt_token_ids
-                continue
-            self._finish(abort=False)
-            if isinstance(event, Finished):
-                self.completion = ClientCompletion.from_finished(event)
-                return None
-            if isinstance(event, ErrorReply):
-                raise error_from_reply(event)
-            raise event
-
-    async def _next_event(self) -> _Event:
-        queue = self._queue
-        assert queue is not None
-        if not queue.empty():  # whatever already arrived wins over the deadline
-            return queue.get_nowait()
-        async with asyncio.timeout_at(self._deadline):
-            return await queue.get()
-
-    def _finish(self, *, abort: bool) -> None:
-        if self._state is _StreamState.OPEN:
-            assert self._queue is not None
-            self._client._forget(self.request_id, self._queue, abort=abort)
-        self._state = _StreamState.DONE
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", None) is _StreamState.OPEN and self._queue is not None:
-            self._client._forget_threadsafe(self.request_id, self._queue)
 
 
 class AsyncClient:
@@ -318,22 +123,22 @@ class AsyncClient:
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.address = address
-        self.timeout = _check_timeout(timeout)
-        self.ping_interval = _check_seconds("ping_interval", ping_interval)
-        self.server_timeout_s = _check_seconds("server_timeout_s", server_timeout_s)
+        self.timeout = check_timeout(timeout)
+        self.ping_interval = check_seconds("ping_interval", ping_interval)
+        self.server_timeout_s = check_seconds("server_timeout_s", server_timeout_s)
         if self.server_timeout_s <= self.ping_interval:
             raise ValueError(
                 f"server_timeout_s ({server_timeout_s!r}) must be greater than "
                 f"ping_interval ({ping_interval!r})"
             )
         self._identity = identity
-        self._curve = _curve_keys(curve_server_key, curve_public_key, curve_secret_key)
+        self._curve = curve_keys(curve_server_key, curve_public_key, curve_secret_key)
         self._context = context
         self._socket: zmq.asyncio.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._requests: dict[str, asyncio.Queue[_Event]] = {}
+        self._requests: dict[str, asyncio.Queue[Event]] = {}
         self._work = asyncio.Event()
         """Set when a call starts waiting; wakes the pinger."""
         self._last_heard = 0.0
@@ -343,7 +148,7 @@ class AsyncClient:
         """Sends waiting on a full socket; ``_fail_all`` makes them give up."""
         self._abort_waiters: dict[str, deque[asyncio.Future[AbortAck]]] = {}
         self._control_order = itertools.count()
-        self._control_waiters: dict[type[Any], deque[_ControlEntry]] = {
+        self._control_waiters: dict[type[Any], deque[ControlEntry]] = {
             HealthStatus: deque(),
             InspectReply: deque(),
             Pong: deque(),
@@ -385,7 +190,7 @@ class AsyncClient:
         """
         stream = AsyncStream(
             self,
-            _generate_message(
+            generate_message(
                 prompt, prompt_token_ids, request_id, priority, sampling, sampling_fields, False
             ),
             self._timeout(timeout),
@@ -418,7 +223,7 @@ class AsyncClient:
         """
         return AsyncStream(
             self,
-            _generate_message(
+            generate_message(
                 prompt, prompt_token_ids, request_id, priority, sampling, sampling_fields, True
             ),
             self._timeout(timeout),
@@ -443,7 +248,7 @@ class AsyncClient:
             assert seconds is not None
             raise ClientTimeoutError(request_id, seconds, "abort") from None
         finally:
-            _discard(waiters, future)
+            discard(waiters, future)
             if not waiters and self._abort_waiters.get(request_id) is waiters:
                 del self._abort_waiters[request_id]
         return ack.aborted
@@ -486,7 +291,7 @@ class AsyncClient:
     # -- internals -----------------------------------------------------------------------
 
     def _timeout(self, timeout: Timeout) -> float | None:
-        return self.timeout if timeout is DEFAULT_TIMEOUT else _check_timeout(timeout)
+        return self.timeout if timeout is DEFAULT_TIMEOUT else check_timeout(timeout)
 
     def _ensure_started(self) -> None:
         """Create and connect the socket and start the receiver and pinger, once."""
@@ -498,20 +303,7 @@ class AsyncClient:
                 raise RuntimeError("AsyncClient used from another event loop than its first")
             return
         context = self._context or zmq.asyncio.Context.instance()
-        socket = context.socket(zmq.DEALER)
-        try:
-            socket.setsockopt(zmq.LINGER, 0)
-            if self._identity is not None:
-                socket.setsockopt(zmq.ROUTING_ID, self._identity)
-            if self._curve is not None:
-                server_key, public_key, secret_key = self._curve
-                socket.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-                socket.setsockopt(zmq.CURVE_PUBLICKEY, public_key)
-                socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-            socket.connect(self.address)
-        except BaseException:
-            socket.close(linger=0)
-            raise
+        socket = connect(context, self.address, self._identity, self._curve)
         self._socket = socket
         self._loop = loop
         self._last_heard = loop.time()
@@ -525,32 +317,18 @@ class AsyncClient:
         for long) gives up, the frame unsent, when :meth:`_fail_all` runs: the caller's
         call has failed then, which it finds out next."""
         assert self._socket is not None
-        sent = self._socket.send(encode(message))
-        if not sent.done():
-            given_up = asyncio.get_running_loop().create_future()
-            self._stuck_sends.add(given_up)
-            try:
-                await asyncio.wait((sent, given_up), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self._stuck_sends.discard(given_up)
-                if not sent.done():
-                    sent.cancel()
-        if not sent.cancelled():
-            sent.result()
+        await send(self._socket, message, self._stuck_sends)
 
     def _send_nowait(self, message: ClientMessage) -> None:
         """Best-effort send that never waits (pings, aborts of abandoned requests)."""
-        if self._socket is None or self._socket.closed:
-            return
-        sent = asyncio.ensure_future(self._socket.send(encode(message), zmq.NOBLOCK))
-        sent.add_done_callback(_log_send_failure)
+        send_nowait(self._socket, message)
 
-    def _register(self, request_id: str) -> asyncio.Queue[_Event]:
+    def _register(self, request_id: str) -> asyncio.Queue[Event]:
         if request_id in self._requests:
             raise BadRequestError(
                 "duplicate", f"request id {request_id!r} is already in flight here", request_id
             )
-        queue: asyncio.Queue[_Event] = asyncio.Queue()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
         self._start_waiting()
         self._requests[request_id] = queue
         return queue
@@ -575,7 +353,7 @@ class AsyncClient:
         for control_waiters in self._control_waiters.values():
             yield from (future for _, future in control_waiters)
 
-    def _forget(self, request_id: str, queue: asyncio.Queue[_Event], *, abort: bool) -> None:
+    def _forget(self, request_id: str, queue: asyncio.Queue[Event], *, abort: bool) -> None:
         """Stop routing replies to ``queue``; with ``abort``, ask the server to drop it."""
         if self._requests.get(request_id) is not queue:
             return  # already failed by close(), or the id was reused after this one
@@ -583,7 +361,7 @@ class AsyncClient:
         if abort:
             self._send_nowait(Abort(request_id=request_id))
 
-    def _forget_threadsafe(self, request_id: str, queue: asyncio.Queue[_Event]) -> None:
+    def _forget_threadsafe(self, request_id: str, queue: asyncio.Queue[Event]) -> None:
         """Abandon a request from any thread (a stream dropped unfinished)."""
         loop = self._loop
         if loop is None or loop.is_closed():
@@ -612,7 +390,7 @@ class AsyncClient:
             assert seconds is not None
             raise ClientTimeoutError(None, seconds, operation) from None
         finally:
-            _discard(waiters, entry)
+            discard(waiters, entry)
 
     async def _receive_loop(self, socket: zmq.asyncio.Socket) -> None:
         try:
@@ -648,10 +426,10 @@ class AsyncClient:
         elif isinstance(message, ErrorReply):
             self._dispatch_error(message)
         elif isinstance(message, AbortAck):
-            if (future := _pop_waiter(self._abort_waiters.get(message.request_id))) is not None:
+            if (future := pop_waiter(self._abort_waiters.get(message.request_id))) is not None:
                 future.set_result(message)
         else:
-            entry = _pop_entry(self._control_waiters[type(message)])
+            entry = pop_entry(self._control_waiters[type(message)])
             if entry is not None:
                 entry[1].set_result(message)
 
@@ -661,25 +439,20 @@ class AsyncClient:
         ``unknown_request`` answers an Abort first."""
         request_id = reply.request_id
         if request_id is None:
-            oldest: _ControlEntry | None = None
-            for waiters in self._control_waiters.values():
-                head = _head(waiters)
-                if head is not None and (oldest is None or head[0] < oldest[0]):
-                    oldest = head
+            oldest = pop_oldest(self._control_waiters)
             if oldest is None:
                 logger.warning("error reply for no request from %s: %s", self.address, reply)
             else:
-                _drop_head(self._control_waiters, oldest)
                 oldest[1].set_exception(error_from_reply(reply))
             return
         abort_waiters = self._abort_waiters.get(request_id)
         abort_first = reply.code is ErrorCode.UNKNOWN_REQUEST or request_id not in self._requests
-        if abort_first and (future := _pop_waiter(abort_waiters)) is not None:
+        if abort_first and (future := pop_waiter(abort_waiters)) is not None:
             future.set_exception(error_from_reply(reply))
         else:
             self._to_request(request_id, reply)
 
-    def _to_request(self, request_id: str, event: _Event) -> None:
+    def _to_request(self, request_id: str, event: Event) -> None:
         queue = self._requests.get(request_id)
         if queue is None:
             logger.debug("dropping %s for request %r, no longer waited for", event, request_id)
@@ -714,7 +487,7 @@ class AsyncClient:
                 next_ping = now + self.ping_interval
             await asyncio.sleep(min(next_ping, self._last_heard + self.server_timeout_s) - now)
 
-    def _fail_all(self, failure: Callable[[], _Failure]) -> None:
+    def _fail_all(self, failure: Callable[[], Failure]) -> None:
         """Fail every waiting call, each with its own ``failure()``."""
         requests, self._requests = self._requests, {}
         for queue in requests.values():
@@ -725,123 +498,3 @@ class AsyncClient:
         for given_up in self._stuck_sends:
             if not given_up.done():
                 given_up.set_result(None)
-
-
-def _generate_message(
-    prompt: str | None,
-    prompt_token_ids: list[int] | None,
-    request_id: str | None,
-    priority: int,
-    sampling: SamplingParams | None,
-    sampling_fields: dict[str, Any],
-    stream: bool,
-) -> Generate:
-    """Check the arguments of generate/stream and build the Generate frame."""
-    if (prompt is None) == (prompt_token_ids is None):
-        raise ValueError("give exactly one of prompt and prompt_token_ids")
-    if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"prompt: expected a string, got {type(prompt).__name__}")
-    if prompt_token_ids is not None:
-        prompt_token_ids = list(prompt_token_ids)
-        if not all(type(token) is int for token in prompt_token_ids):
-            raise ValueError("prompt_token_ids: expected a list of integers")
-    if request_id is None:
-        request_id = uuid.uuid4().hex
-    elif not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id: expected a non-empty string, got {request_id!r}")
-    if type(priority) is not int:
-        raise ValueError(f"priority: expected an integer, got {priority!r}")
-    if sampling is None:
-        sampling = SamplingParams.from_dict(sampling_fields)
-    elif sampling_fields:
-        raise ValueError("give either sampling or SamplingParams fields as keywords, not both")
-    return Generate(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=prompt_token_ids,
-        sampling=sampling,
-        priority=priority,
-        stream=stream,
-    )
-
-
-def _check_seconds(name: str, value: float) -> float:
-    """``value`` as float seconds: a positive finite number, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0):
-        raise ValueError(f"timeout: must be a positive number or None, got {timeout!r}")
-    return float(timeout)
-
-
-def _curve_keys(
-    server_key: bytes | None, public_key: bytes | None, secret_key: bytes | None
-) -> tuple[bytes, bytes, bytes] | None:
-    if server_key is None:
-        if public_key is not None or secret_key is not None:
-            raise ValueError("curve_public_key/curve_secret_key need curve_server_key")
-        return None
-    if not zmq.has("curve"):
-        raise RuntimeError("this libzmq was built without CURVE support")
-    if (public_key is None) != (secret_key is None):
-        raise ValueError("give both curve_public_key and curve_secret_key, or neither")
-    if public_key is None or secret_key is None:
-        public_key, secret_key = zmq.curve_keypair()
-    for name, key in (("server", server_key), ("public", public_key), ("secret", secret_key)):
-        if not isinstance(key, bytes) or len(key) not in (32, 40):
-            raise ValueError(f"curve_{name}_key: expected 40 bytes of Z85 or 32 raw bytes")
-    return server_key, public_key, secret_key
-
-
-def _log_send_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and (error := future.exception()) is not None:
-        logger.debug("best-effort send failed: %r", error)
-
-
-def _head(
-    waiters: deque[_ControlEntry],
-) -> _ControlEntry | None:
-    """The oldest waiter still waiting (done ones are dropped on the way)."""
-    while waiters and waiters[0][1].done():
-        waiters.popleft()
-    return waiters[0] if waiters else None
-
-
-def _pop_entry(
-    waiters: deque[_ControlEntry],
-) -> _ControlEntry | None:
-    entry = _head(waiters)
-    if entry is not None:
-        waiters.popleft()
-    return entry
-
-
-def _drop_head(
-    all_waiters: dict[type[Any], deque[_ControlEntry]],
-    entry: _ControlEntry,
-) -> None:
-    for waiters in all_waiters.values():
-        if waiters and waiters[0] is entry:
-            waiters.popleft()
-            return
-
-
-def _pop_waiter(waiters: deque[asyncio.Future[_T]] | None) -> asyncio.Future[_T] | None:
-    while waiters:
-        future = waiters.popleft()
-        if not future.done():
-            return future
-    return None
-
-
-def _discard(waiters: deque[Any], item: object) -> None:
-    try:
-        waiters.remove(item)
-    except ValueError:
-        pass

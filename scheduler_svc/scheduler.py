@@ -37,6 +37,7 @@ from ipc.schema import (
     SeqStatus,
     StepResult,
 )
+from scheduler_svc.admission import check_request
 from scheduler_svc.kv_manager import KVCacheManager
 from scheduler_svc.policies import (
     FairShareRounds,
@@ -184,67 +185,28 @@ class Scheduler:
         priority: int,
         client: str,
     ) -> Request:
-        cfg = self.config
-        if not isinstance(request_id, str) or not request_id:
-            raise RejectedError(ErrorCode.BAD_REQUEST, "request_id must be a non-empty string")
+        max_output = check_request(
+            self.config,
+            request_id,
+            prompt,
+            params,
+            priority,
+            client,
+            vocab_size=self.vocab_size,
+            capacity_blocks=self.capacity_blocks,
+        )
         if request_id in self.requests:
             raise RejectedError(ErrorCode.DUPLICATE, f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise RejectedError(ErrorCode.BAD_REQUEST, "params must be SamplingParams")
-        if type(priority) is not int:
-            raise RejectedError(
-                ErrorCode.BAD_REQUEST, f"priority must be an integer, got {priority!r}"
-            )
-        if not isinstance(client, str):
-            raise RejectedError(ErrorCode.BAD_REQUEST, f"client must be a string, got {client!r}")
-        if not isinstance(prompt, list) or not prompt:
-            raise RejectedError(ErrorCode.BAD_REQUEST, "prompt_token_ids must be a non-empty list")
-        if not all(type(t) is int and t >= 0 for t in prompt):
-            raise RejectedError(
-                ErrorCode.BAD_REQUEST, "prompt_token_ids must hold non-negative integers"
-            )
-        vocab = self.vocab_size
-        if vocab is not None and max(prompt) >= vocab:
-            position, token = next((i, t) for i, t in enumerate(prompt) if t >= vocab)
-            raise RejectedError(
-                ErrorCode.BAD_REQUEST,
-                f"prompt_token_ids: token id {token} (position {position}) is outside the "
-                f"model's vocabulary [0, {vocab})",
-            )
-        if params.n > cfg.max_num_seqs:
-            raise RejectedError(
-                ErrorCode.BAD_REQUEST, f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
-            )
-        if len(prompt) >= cfg.max_model_len:
-            raise RejectedError(
-                ErrorCode.REJECTED,
-                f"prompt has {len(prompt)} tokens; max_model_len={cfg.max_model_len} "
-                "leaves no room for output",
-            )
-        max_output = params.max_tokens or cfg.max_model_len - len(prompt)
-        total = len(prompt) + max_output
-        if total > cfg.max_model_len:
-            raise RejectedError(
-                ErrorCode.REJECTED,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_output}) = {total} "
-                f"exceeds max_model_len={cfg.max_model_len}",
-            )
-        if self.kv.blocks_for(total) > self.capacity_blocks:
-            raise RejectedError(
-                ErrorCode.REJECTED,
-                f"{total} tokens need {self.kv.blocks_for(total)} KV blocks; the cache "
-                f"admits at most {self.capacity_blocks}",
-            )
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
             if seq_id in self.seqs:
                 raise RejectedError(
                     ErrorCode.DUPLICATE, f"sequence id {seq_id!r} is already in use"
                 )
-        if len(self.waiting) >= cfg.max_waiting_requests:
+        limit = self.config.max_waiting_requests
+        if len(self.waiting) >= limit:
             raise RejectedError(
-                ErrorCode.OVERLOADED,
-                f"waiting queue is full ({cfg.max_waiting_requests} requests); retry later",
+                ErrorCode.OVERLOADED, f"waiting queue is full ({limit} requests); retry later"
             )
         self._arrivals += 1
         request = Request(

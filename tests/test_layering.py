@@ -31,6 +31,7 @@ UNSCANNED = ("tests", "benchmarks")
 CORE = frozenset(
     f"scheduler_svc.{name}"
     for name in (
+        "admission",
         "block_pool",
         "kv_manager",
         "queues",
