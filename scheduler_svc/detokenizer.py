@@ -28,7 +28,14 @@ class IncrementalDetokenizer:
 
     WINDOW_TAIL = 6
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, lazy: bool = False
+    ) -> None:
+        """``lazy`` (no stop strings): nothing is decoded while tokens come in; the
+        whole text is decoded once, by :meth:`flush` at the end."""
+        if lazy and stop:
+            raise ValueError("a lazy detokenizer cannot look for stop strings")
+        self.lazy = lazy
         self.tokenizer = tokenizer
         self.stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -62,6 +69,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return None
         self.token_ids.append(token_id)
+        if self.lazy:
+            return None
         return (
             self.token_ids[self._prefix_offset : self._read_offset],
             self.token_ids[self._prefix_offset :],
@@ -90,7 +99,11 @@ class IncrementalDetokenizer:
         return combined[emitted:safe_end]
 
     def flush(self) -> str:
-        """Text not shown yet (held back for a possible stop string)."""
+        """Text not shown yet (held back for a possible stop string, or all of it when
+        lazy)."""
+        if self.lazy and self._read_offset < len(self.token_ids):
+            self.text = self._decode(self.token_ids)
+            self._read_offset = len(self.token_ids)
         rest = self.text[self._emitted :]
         self._emitted = len(self.text)
         return rest

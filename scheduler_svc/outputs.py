@@ -81,6 +81,8 @@ class RequestEnded:
 
 
 Send = Callable[[bytes, ServerMessage], None]
+Logprobs = dict[int, float] | None
+"""One token's logprobs (token id -> logprob), where the request asked for them."""
 
 
 class OutputProcessor:
@@ -108,7 +110,12 @@ class OutputProcessor:
         detok = req.samples.get(index)
         if detok is None:
             assert self.tokenizer is not None, "outputs before the tokenizer was loaded"
-            detok = req.samples[index] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+            # Text matters only at the end of a request that neither streams nor stops
+            # on a string: decode it once then, not a window every step.
+            lazy = not req.stream and not req.params.stop
+            detok = req.samples[index] = IncrementalDetokenizer(
+                self.tokenizer, req.params.stop, lazy=lazy
+            )
         return detok
 
     def handle(self, item: StepEvents | RequestEnded) -> None:
@@ -129,29 +136,29 @@ class OutputProcessor:
         stopped: list[str] = []
         outbox: dict[bytes, list[Delta]] = {}
         # Decode every sample's window in one batch, then advance each detokenizer.
-        pending: list[tuple[ClientRequest, int, str, int, IncrementalDetokenizer]] = []
+        pending: list[tuple[ClientRequest, int, str, int, IncrementalDetokenizer, Logprobs]] = []
         windows: list[list[int]] = []
         for request_id, index, seq_id, token in events.tokens:
             req = self.requests.get(request_id)
             if req is None:
                 continue
             detok = self._sample(req, index)
-            window = detok.push(token)
-            if window is None:
-                continue
-            pending.append((req, index, seq_id, token, detok))
-            windows.extend(window)
-        decoded: list[str] = []
-        if windows:
-            assert self.tokenizer is not None
-            decoded = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
-        for position, (req, index, seq_id, token, detok) in enumerate(pending):
-            request_id = req.request_id
+            if detok.stopped:
+                continue  # tokens after a stop string are not part of the output
             if req.first_token is None:
                 req.first_token = now
             entry = events.logprobs.get(seq_id)
             if entry is not None:
                 req.logprobs.setdefault(index, []).append(entry)
+            if (window := detok.push(token)) is not None:  # None: decoded at the end
+                pending.append((req, index, seq_id, token, detok, entry))
+                windows.extend(window)
+        decoded: list[str] = []
+        if windows:
+            assert self.tokenizer is not None
+            decoded = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
+        for position, (req, index, seq_id, token, detok, entry) in enumerate(pending):
+            request_id = req.request_id
             text = detok.advance(decoded[2 * position], decoded[2 * position + 1])
             reason = ended.get((request_id, index))
             if detok.stopped and index not in req.reasons:

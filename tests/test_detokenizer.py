@@ -58,6 +58,24 @@ def test_no_stop_string_found_releases_held_back_text(tokenizer: Tokenizer) -> N
     assert shown + detok.flush() == TEXT and not detok.stopped
 
 
+def test_a_lazy_detokenizer_decodes_once_at_the_end(tokenizer: Tokenizer) -> None:
+    calls: list[int] = []
+
+    class Counting:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(len(token_ids))
+            return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    lazy = IncrementalDetokenizer(Counting(), lazy=True)  # type: ignore[arg-type]
+    tokens = ids(tokenizer, TEXT)
+    assert all(lazy.push(t) is None for t in tokens)
+    assert calls == [] and lazy.text == ""
+    assert lazy.flush() == TEXT == lazy.text
+    assert calls == [len(tokens)] and lazy.token_ids == tokens
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tokenizer, stop=("x",), lazy=True)
+
+
 def test_load_tokenizer_needs_a_fast_tokenizer_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         load_tokenizer(tmp_path)
