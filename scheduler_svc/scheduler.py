@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from ipc.schema import (
     BatchPlan,
@@ -42,44 +41,18 @@ from scheduler_svc.kv_manager import KVCacheManager
 from scheduler_svc.policies import (
     FairShareRounds,
     PreemptionCostModel,
-    PreemptionMode,
     VictimPolicy,
     make_queue_order,
 )
 from scheduler_svc.queues import SeqQueue
 from scheduler_svc.request import QueueKey, RejectedError, Request, Sequence
+from scheduler_svc.step_records import StepBuilder, StepReport, UpdateOutcome, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 QUARANTINE_AFTER_FAILED_STEPS = 2
 """A request in this many steps that a worker died in is not run again."""
-
-
-class WorkerProtocolError(RuntimeError):
-    """A step result that does not match the plan it answers."""
-
-
-@dataclass(slots=True)
-class StepReport:
-    """What one :meth:`Scheduler.schedule` decided besides the plan itself."""
-
-    step: int
-    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
-    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class UpdateOutcome:
-    """What one :meth:`Scheduler.update` changed."""
-
-    advanced: list[Sequence] = field(default_factory=list)
-    """Sequences that got new tokens (their last ``len(tokens)`` entries)."""
-    finished: list[Sequence] = field(default_factory=list)
-    finished_requests: list[Request] = field(default_factory=list)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Sequence id -> logprobs of the token it got, where the request asked for them."""
 
 
 def _sort_key(seq: Sequence) -> QueueKey:
@@ -239,7 +212,7 @@ class Scheduler:
         cfg = self.config
         kv = self.kv
         report = self.report = StepReport(step=self.step)
-        step = _StepBuilder()
+        step = StepBuilder()
         budget = cfg.max_num_batched_tokens
 
         if cfg.policy == "priority":
@@ -356,7 +329,7 @@ class Scheduler:
             return swapped, True
         return waiting, False
 
-    def _make_room(self, step: _StepBuilder, budget: int) -> None:
+    def _make_room(self, step: StepBuilder, budget: int) -> None:
         """Priority policy: preempt running sequences ranked after the best queued one
         until its first chunk fits (blocks and sequence slots).
 
@@ -383,7 +356,7 @@ class Scheduler:
                 return
             self._preempt(victim, step)
 
-    def _schedule_seq(self, seq: Sequence, num_new: int, step: _StepBuilder) -> None:
+    def _schedule_seq(self, seq: Sequence, num_new: int, step: StepBuilder) -> None:
         appended, cow = self.kv.append(seq, num_new)
         seq_id = seq.seq_id
         if cow is not None:
@@ -419,7 +392,7 @@ class Scheduler:
             request.first_scheduled_step = self.step
             self.fair_share.admitted(self.order.priority_term(request), request.fair_round)
 
-    def _preempt(self, index: int, step: _StepBuilder) -> None:
+    def _preempt(self, index: int, step: StepBuilder) -> None:
         seq = self.running.pop(index)
         self._running_forks -= seq.pending_forks
         mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
@@ -617,18 +590,3 @@ class Scheduler:
                 self.abort(request.request_id)
                 quarantined.append(request)
         return quarantined
-
-
-@dataclass(slots=True)
-class _StepBuilder:
-    """The parts of the plan under construction."""
-
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    inflight: list[tuple[Sequence, int]] = field(default_factory=list)
-    new_seqs: list[NewSeq] = field(default_factory=list)
-    block_updates: list[BlockUpdate] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swapped_out: list[Sequence] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    num_samples: dict[str, int] = field(default_factory=dict)

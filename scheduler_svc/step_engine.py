@@ -25,7 +25,8 @@ from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.introspection import check_invariants
 from scheduler_svc.outputs import StepEvents
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler, UpdateOutcome
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_records import UpdateOutcome
 from shared.outputs import FinishReason
 
 

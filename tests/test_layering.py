@@ -38,6 +38,7 @@ CORE = frozenset(
         "policies",
         "request",
         "scheduler",
+        "step_records",
         "introspection",
     )
 )

@@ -14,8 +14,9 @@ from ipc.schema import BatchPlan, ErrorCode, SeqStatus, StepResult
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.introspection import check_invariants, snapshot
 from scheduler_svc.request import RejectedError, Request
-from scheduler_svc.scheduler import Scheduler, UpdateOutcome, WorkerProtocolError
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
+from scheduler_svc.step_records import UpdateOutcome, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
