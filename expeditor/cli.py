@@ -168,20 +168,26 @@ def make_tiny_model_cmd(
         typer.Option(help="Model architecture (transformers config class)."),
     ] = "llama",
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    size: Annotated[
+        Literal["tiny", "small"],
+        typer.Option(help="Preset: tiny (2 layers, hidden 64) or small (4 layers, hidden 256)."),
+    ] = "tiny",
 ) -> None:
-    """Write a deterministic tiny random-weight Hugging Face checkpoint (no download).
+    """Write a deterministic random-weight Hugging Face checkpoint (no download).
 
-    Byte-level tokenizer, 2 layers, hidden size 64: for tests and smoke runs. OUT may be
-    absent, empty or an earlier tiny model (replaced).
+    Byte-level tokenizer. tiny (2 layers, hidden size 64, ~0.1M parameters): for tests and
+    smoke runs; small (4 layers, hidden 256, GQA 8/2 heads, ~4M parameters): a forward step
+    that costs something, for benchmarks. OUT may be absent, empty or an earlier such model
+    (replaced).
     """
     from gpu_worker.tiny_model import make_tiny_model  # lazy: torch only for this command
 
     try:
-        path = make_tiny_model(out, arch=arch, seed=seed)
+        path = make_tiny_model(out, arch=arch, seed=seed, size=size)
     except (FileExistsError, ValueError) as exc:
         fail(str(exc))
     Console(stderr=True, soft_wrap=True).print(
-        f"wrote tiny {arch} model (seed {seed}) to {path}", highlight=False, markup=False
+        f"wrote {size} {arch} model (seed {seed}) to {path}", highlight=False, markup=False
     )
 
 

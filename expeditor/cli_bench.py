@@ -52,7 +52,10 @@ def bench(
         float | None, typer.Option(help="poisson: gamma shape (1 = Poisson).")
     ] = None,
     model: Annotated[
-        Path | None, typer.Option(help="Checkpoint directory (default: the embedded tiny model).")
+        str | None,
+        typer.Option(
+            help="Checkpoint directory, or tiny | small: an embedded preset (default tiny)."
+        ),
     ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "cpu",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -71,10 +74,7 @@ def bench(
         load = make_workload(workload, num_requests, seed, **extra)
     except (ValueError, OSError) as exc:
         fail(str(exc))
-    if model is None:
-        from gpu_worker.tiny_model import default_model_dir
-
-        model = default_model_dir()
+    checkpoint = _checkpoint(model)
     base = {k: v for k, v in config_overrides.items() if v is not None}
     console = Console(stderr=True)
     with Progress(
@@ -93,7 +93,7 @@ def bench(
             results = run_bench(
                 load,
                 specs,
-                model=model,
+                model=checkpoint,
                 base_config=base,
                 device=device,
                 on_done=lambda label: progress.advance(tasks[label]),
@@ -102,7 +102,7 @@ def bench(
         except ValueError as exc:
             fail(str(exc))
     if json_output:
-        print(report_json(load, [r for r, _ in results], seed=seed, model=model))
+        print(report_json(load, [r for r, _ in results], seed=seed, model=checkpoint))
     else:
         out = Console()
         out.width = max(out.width, 150)  # the table has a dozen columns
@@ -110,6 +110,18 @@ def bench(
     if plot is not None:
         for path in write_plots(results, plot):
             console.print(f"wrote {path}")
+
+
+def _checkpoint(model: str | None) -> Path:
+    """--model: a preset name (the cached embedded model of that size) or a directory.
+
+    A directory named like a preset is given with a path prefix (``./small``).
+    """
+    from gpu_worker.tiny_model import DEFAULT_SIZE, SIZES, default_model_dir
+
+    if model is None or model in SIZES:
+        return default_model_dir(model or DEFAULT_SIZE)
+    return Path(model)
 
 
 def _ms(summary: dict[str, float] | None, *keys: str) -> str:

@@ -1,9 +1,15 @@
-"""A deterministic tiny random-weight checkpoint: expeditor's embedded default model.
+"""Deterministic tiny random-weight checkpoints: expeditor's embedded default model.
 
-``make_tiny_model(path, arch=..., seed=...)`` writes an ordinary Hugging Face checkpoint
+``make_tiny_model(path, arch=..., seed=..., size=...)`` writes an ordinary Hugging Face checkpoint
 directory (``config.json``, ``model.safetensors`` in float32, ``generation_config.json``,
 ``tokenizer.json`` + ``tokenizer_config.json``) that ``AutoModelForCausalLM`` and
 ``AutoTokenizer`` load offline, so everything in expeditor runs with no download.
+
+Sizes (:data:`PRESETS`): ``tiny``, the default (2 layers, hidden 64, 4 heads / 2 KV heads of
+16, MLP 128; 115k parameters, a forward step costs next to nothing, so benchmarks on it
+measure overheads) and ``small`` (4 layers, hidden 256, 8 heads / 2 KV heads of 32, MLP 1024;
+3.97M parameters, 16 MB, a forward step with some weight to it). Tokenizer, vocabulary and
+init rules are shared.
 
 Tokenizer: byte-level, one token per UTF-8 byte (GPT-2 byte-to-unicode alphabet, no merges),
 so any text round-trips exactly. Ids: ``<pad>`` 0, ``<s>`` 1 (BOS, prepended when encoding
@@ -15,7 +21,7 @@ reader of that checkpoint tokenizes alike. A minimal chat template ("role: conte
 included for chat endpoints.
 
 Weights (all float32, drawn from a private ``torch.Generator`` seeded with ``seed`` in
-sorted parameter-name order, so the same (arch, seed) gives byte-identical safetensors and the
+sorted parameter-name order, so the same (arch, seed, size) gives byte-identical safetensors and the
 global torch RNG is untouched; llama and mistral have the same parameters, so they get the
 same weights and, with no sliding window, compute the same function):
 
@@ -28,7 +34,8 @@ same weights and, with no sliding window, compute the same function):
 * ``lm_head``: N(0, 8/sqrt(hidden_size)): after the final RMSNorm the logits have a standard
   deviation of about 7-8, so the median top-1 / top-2 gap is about 2 logits; the rows of
   ``<pad>``, ``<s>`` and the unused ids are zero (logit 0, below the best byte logit), so
-  greedy decoding only emits bytes and ``</s>``.
+  greedy decoding only emits bytes and ``</s>``; ``small`` scales the ``</s>`` row by 0.8
+  (``Preset.eos_logit_scale``, see below).
 
 How the scales were chosen (llama, qwen2, qwen3; seeds 0-3; 8 prompts): greedy decoding of
 20 tokens gives >= 4 distinct tokens in 95 of 96 runs (median 18 distinct; at seed 0 every
@@ -38,6 +45,14 @@ the argmax ~58% of the time; about 16% of positions have a top-1 / top-2 gap bel
 relative 1e-3 perturbation of every weight leaves 58 of 72 40-token greedy continuations
 unchanged. Projection gain 1.5 is more context-sensitive (94%) but less robust (47 of 72);
 gain 0.5 is nearly context-blind (~10%) and cycles sooner.
+
+The same rules at the ``small`` sizes (llama, qwen2, qwen3; seeds 0-2; 8 prompts): replacing
+the context changes the argmax 67-91% of the time, the median top-1 / top-2 gap is 1.5-2.9
+logits, and greedy decoding of 20 tokens gives >= 4 distinct tokens in 70 of 72 runs
+(median 15; the other two repeat one byte). Being more context-sensitive it wanders more,
+and with the ``</s>`` row at full scale 16 of 96 40-token continuations (seeds 0-3) ended
+early, one after 2 tokens (llama seed 0, "Hello, world!"); at 0.8 it is 5 of 96, none before
+7 tokens (``tiny``: 4 of 96).
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +78,42 @@ NUM_SPECIAL = 3
 BYTE_OFFSET = NUM_SPECIAL
 VOCAB_SIZE = 320  # multiple of 64 holding 3 specials + 256 bytes
 
-HIDDEN_SIZE = 64
-NUM_LAYERS = 2
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
-HEAD_DIM = 16
-INTERMEDIATE_SIZE = 128
+
+@dataclass(frozen=True)
+class Preset:
+    """The sizes of one checkpoint preset (vocabulary, tokenizer and init rules are shared)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eos_logit_scale: float = 1.0  # the ``</s>`` row of lm_head is scaled by this
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    ),
+    "small": Preset(
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=1024,
+        eos_logit_scale=0.8,
+    ),
+}
+SIZES = tuple(PRESETS)
+DEFAULT_SIZE = "tiny"
+
 MAX_POSITIONS = 2048
 ROPE_THETA = 10000.0
 
@@ -130,18 +176,19 @@ def _build_tokenizer(arch: str = DEFAULT_ARCH) -> Any:
     return tokenizer
 
 
-def _config(arch: str) -> Any:
-    """The transformers config object of ``arch`` with the tiny sizes."""
+def _config(arch: str, size: str) -> Any:
+    """The transformers config object of ``arch`` with the sizes of the preset ``size``."""
     import transformers
 
+    preset = PRESETS[size]
     common: dict[str, Any] = {
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": HIDDEN_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "intermediate_size": INTERMEDIATE_SIZE,
+        "hidden_size": preset.hidden_size,
+        "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": preset.num_kv_heads,
+        "head_dim": preset.head_dim,
+        "intermediate_size": preset.intermediate_size,
         "max_position_embeddings": MAX_POSITIONS,
         "rope_theta": ROPE_THETA,
         "tie_word_embeddings": False,
@@ -165,7 +212,7 @@ def _config(arch: str) -> Any:
     return config
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], generator: Any) -> Any:
+def _init_tensor(name: str, shape: tuple[int, ...], generator: Any, preset: Preset) -> Any:
     """One parameter, drawn from ``generator`` by the rules in the module docstring."""
     import torch
 
@@ -178,6 +225,7 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: Any) -> Any:
         weight = normal(LOGIT_STD / shape[1] ** 0.5)
         weight[PAD_ID] = 0.0
         weight[BOS_ID] = 0.0
+        weight[EOS_ID] *= preset.eos_logit_scale
         weight[BYTE_OFFSET + 256 :] = 0.0
         return weight
     if name.endswith("norm.weight"):
@@ -189,7 +237,7 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: Any) -> Any:
     raise ValueError(f"no init rule for parameter {name} {shape}")
 
 
-def _state_dict(config: Any, seed: int) -> dict[str, Any]:
+def _state_dict(config: Any, seed: int, preset: Preset) -> dict[str, Any]:
     """Seeded random weights for every parameter of the model ``config`` describes."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -199,24 +247,28 @@ def _state_dict(config: Any, seed: int) -> dict[str, Any]:
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
-    return {name: _init_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+    return {name: _init_tensor(name, shapes[name], generator, preset) for name in sorted(shapes)}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _write_checkpoint(directory: Path, arch: str, seed: int) -> None:
+def _write_checkpoint(directory: Path, arch: str, seed: int, size: str) -> None:
     """Write every file of the checkpoint into the (empty) ``directory``, marker last."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    config = _config(arch)
+    config = _config(arch, size)
     config.save_pretrained(directory)
     GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     ).save_pretrained(directory)
-    save_file(_state_dict(config, seed), directory / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        _state_dict(config, seed, PRESETS[size]),
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     _build_tokenizer(arch).save(str(directory / "tokenizer.json"))
     _write_json(
         directory / "tokenizer_config.json",
@@ -237,7 +289,8 @@ def _write_checkpoint(directory: Path, arch: str, seed: int) -> None:
         file.chmod(0o644)  # safetensors creates its file 0600
         _fsync(file)
     _write_json(
-        directory / MARKER_NAME, {"arch": arch, "seed": seed, "format_version": FORMAT_VERSION}
+        directory / MARKER_NAME,
+        {"arch": arch, "seed": seed, "size": size, "format_version": FORMAT_VERSION},
     )
     _fsync(directory / MARKER_NAME)
 
@@ -251,7 +304,7 @@ def _fsync(path: Path) -> None:
 
 
 def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The marker of a complete tiny model at ``path`` ({arch, seed, format_version}), or None."""
+    """The marker of a complete tiny model at ``path`` ({arch, seed, size, ...}), or None."""
     try:
         data = json.loads((Path(path) / MARKER_NAME).read_text())
     except (OSError, ValueError):
@@ -291,9 +344,13 @@ def _move_aside(target: Path) -> None:
 
 
 def make_tiny_model(
-    path: str | os.PathLike[str], *, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED
+    path: str | os.PathLike[str],
+    *,
+    arch: str = DEFAULT_ARCH,
+    seed: int = DEFAULT_SEED,
+    size: str = DEFAULT_SIZE,
 ) -> Path:
-    """Write the tiny ``arch`` checkpoint seeded by ``seed`` to the directory ``path``.
+    """Write the ``arch`` checkpoint of the preset ``size`` seeded by ``seed`` to ``path``.
 
     The files are built in a temporary directory next to ``path`` and renamed into place, so
     a half-written model is never visible. ``path`` may be absent, an empty directory or an
@@ -302,6 +359,7 @@ def make_tiny_model(
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    _check_size(size)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     target = Path(path).absolute()
@@ -312,7 +370,7 @@ def make_tiny_model(
             raise FileExistsError(f"{target} is a non-empty directory that is not a tiny model")
     staging = _staging_dir(target)
     try:
-        _write_checkpoint(staging, arch, seed)
+        _write_checkpoint(staging, arch, seed, size)
         if is_tiny_model(target):
             _move_aside(target)
         os.replace(staging, target)  # rename(2): atomic, and replaces an empty directory
@@ -330,19 +388,26 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "expeditor"
 
 
-def default_model_dir() -> Path:
-    """The embedded default model (llama, seed 0), built on first use and cached.
+def _check_size(size: str) -> None:
+    if size not in PRESETS:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
 
-    Lives in :func:`cache_dir` as ``tiny-llama-s0-v{FORMAT_VERSION}`` and is reused when a
-    complete copy (marker present) is there. Processes racing to create it each build a
-    staging copy; the first rename wins and the others use the winner's.
+
+def default_model_dir(size: str = DEFAULT_SIZE) -> Path:
+    """The embedded model of the preset ``size`` (llama, seed 0), built on first use and cached.
+
+    Lives in :func:`cache_dir` as ``{size}-llama-s0-v{FORMAT_VERSION}`` (the default:
+    ``tiny-llama-s0-v1``) and is reused when a complete copy (marker present) is there.
+    Processes racing to create it each build a staging copy; the first rename wins and the
+    others use the winner's.
     """
-    target = cache_dir() / f"tiny-{DEFAULT_ARCH}-s{DEFAULT_SEED}-v{FORMAT_VERSION}"
+    _check_size(size)
+    target = cache_dir() / f"{size}-{DEFAULT_ARCH}-s{DEFAULT_SEED}-v{FORMAT_VERSION}"
     if is_tiny_model(target):
         return target
     staging = _staging_dir(target)
     try:
-        _write_checkpoint(staging, DEFAULT_ARCH, DEFAULT_SEED)
+        _write_checkpoint(staging, DEFAULT_ARCH, DEFAULT_SEED, size)
         try:
             os.replace(staging, target)
         except OSError:

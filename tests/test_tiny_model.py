@@ -18,8 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from expeditor.cli import app
+from expeditor.cli_bench import _checkpoint
 from gpu_worker import tiny_model
+from gpu_worker.engine import LLM
 from gpu_worker.tiny_model import ARCHS, default_model_dir, make_tiny_model
+from shared.sampling import SamplingParams
 
 runner = CliRunner()
 
@@ -231,7 +234,12 @@ def test_make_tiny_model_target_rules(tmp_path: Path) -> None:
     empty.mkdir()
     assert make_tiny_model(empty, seed=1) == empty and tiny_model.is_tiny_model(empty)
     make_tiny_model(empty, arch="qwen3", seed=2)  # an earlier tiny model is replaced
-    assert tiny_model.read_marker(empty) == {"arch": "qwen3", "seed": 2, "format_version": 1}
+    assert tiny_model.read_marker(empty) == {
+        "arch": "qwen3",
+        "seed": 2,
+        "size": "tiny",
+        "format_version": 1,
+    }
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
@@ -248,7 +256,12 @@ def test_cli_make_tiny_model(tmp_path: Path) -> None:
     result = runner.invoke(app, ["make-tiny-model", str(out), "--arch", "qwen2", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert str(out) in result.stderr.replace("\n", "")
-    assert tiny_model.read_marker(out) == {"arch": "qwen2", "seed": 3, "format_version": 1}
+    assert tiny_model.read_marker(out) == {
+        "arch": "qwen2",
+        "seed": 3,
+        "size": "tiny",
+        "format_version": 1,
+    }
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "qwen2"
     assert AutoTokenizer.from_pretrained(out).encode("a") == [1, 3 + ord("a")]
@@ -260,4 +273,113 @@ def test_cli_make_tiny_model_refuses_foreign_directory(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "not a tiny model" in result.stderr
     result = runner.invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--arch", "gpt2"])
+    assert result.exit_code == 2
+
+
+# The small preset: 4 layers, hidden 256, GQA 8/2 heads of 32, MLP 1024.
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def small(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """(arch, directory, model), the small preset built and loaded once per arch."""
+    arch = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        _offline(mp)
+        path = make_tiny_model(tmp_path_factory.mktemp(arch) / "small", arch=arch, size="small")
+        yield arch, path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_small_preset_has_declared_shapes(small: Any) -> None:
+    arch, path, model = small
+    config = model.config
+    assert type(config).__name__ == CONFIG_CLASS[arch]
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        256,
+        4,
+        1024,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 2, 32)
+    assert config.vocab_size == tiny_model.VOCAB_SIZE
+    assert len(AutoTokenizer.from_pretrained(path)) == 259
+    weights = load_file(path / "model.safetensors")
+    assert set(weights) == set(model.state_dict())
+    assert weights["model.layers.3.self_attn.q_proj.weight"].shape == (256, 256)
+    assert weights["model.layers.3.self_attn.k_proj.weight"].shape == (64, 256)
+    assert weights["model.layers.3.mlp.down_proj.weight"].shape == (256, 1024)
+    assert 3.9e6 < sum(t.numel() for t in weights.values()) < 4.0e6
+    assert tiny_model.read_marker(path) == {
+        "arch": arch,
+        "seed": 0,
+        "size": "small",
+        "format_version": tiny_model.FORMAT_VERSION,
+    }
+
+
+def test_small_preset_is_deterministic(small: Any, tmp_path: Path) -> None:
+    arch, path, _model = small
+    again = make_tiny_model(tmp_path / "again", arch=arch, size="small")
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in path.iterdir())
+    for file in path.iterdir():
+        assert (again / file.name).read_bytes() == file.read_bytes(), file.name
+    other = make_tiny_model(tmp_path / "other", arch=arch, seed=1, size="small")
+    assert (other / "model.safetensors").read_bytes() != (path / "model.safetensors").read_bytes()
+
+
+def test_small_preset_greedy_is_not_degenerate(small: Any) -> None:
+    _arch, path, model = small
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)
+        new = out[0, ids.shape[1] :].tolist()
+        assert len(new) >= 4 and len(set(new)) >= 4, (prompt, new)
+        assert all(token == 2 or 3 <= token < 259 for token in new)
+
+
+def test_small_preset_engine_matches_transformers(small: Any) -> None:
+    _arch, path, model = small
+    prompts = [[1, *(3 + b for b in text.encode())] for text in PROMPTS[:2]]
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=0)
+        expected.append(out[0, len(prompt) :].tolist())
+    with LLM(path, device="cpu", dtype=torch.float32, max_model_len=64, num_gpu_blocks=32) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    assert [c.token_ids for c in outputs] == expected
+
+
+def test_default_model_dir_small_and_bench_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPEDITOR_CACHE_DIR", str(tmp_path))
+    small_dir = default_model_dir(size="small")
+    assert small_dir == tmp_path / f"small-llama-s0-v{tiny_model.FORMAT_VERSION}"
+    assert tiny_model.read_marker(small_dir)["size"] == "small"  # type: ignore[index]
+    assert _checkpoint("small") == small_dir
+    assert _checkpoint(None) == _checkpoint("tiny") == default_model_dir()
+    assert _checkpoint("./small") == Path("small")  # a directory, not the preset
+    assert sorted(os.listdir(tmp_path)) == [small_dir.name, default_model_dir().name]
+    with pytest.raises(ValueError, match="unknown size"):
+        default_model_dir(size="huge")
+    with pytest.raises(ValueError, match="unknown size"):
+        make_tiny_model(tmp_path / "x", size="huge")
+
+
+def test_cli_make_tiny_model_small(tmp_path: Path) -> None:
+    out = tmp_path / "small"
+    result = runner.invoke(app, ["make-tiny-model", str(out), "--size", "small", "--arch", "qwen3"])
+    assert result.exit_code == 0, result.output
+    assert "wrote small qwen3 model" in result.stderr
+    assert tiny_model.read_marker(out) == {
+        "arch": "qwen3",
+        "seed": 0,
+        "size": "small",
+        "format_version": tiny_model.FORMAT_VERSION,
+    }
+    result = runner.invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--size", "huge"])
     assert result.exit_code == 2
