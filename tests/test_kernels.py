@@ -398,7 +398,7 @@ def test_swap_round_trip_across_devices_reference() -> None:
 # ---------------------------------------------------------------- dispatch
 
 
-def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_skips_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
     called: list[str] = []
 

@@ -10,7 +10,8 @@ head_dim]``; the kernels take them with their strides. A slot is
 
 Each public function dispatches to ``<name>_triton`` when its tensors are on CUDA or the
 environment sets ``EXPEDITOR_FORCE_TRITON=1`` (e.g. with ``TRITON_INTERPRET=1`` on CPU),
-else to ``<name>_ref``.
+else to ``<name>_ref``; except ``paged_attention``, whose non-Triton path is the faster
+``paged_attention_cpu`` (its reference stays the tests' oracle).
 """
 
 from gpu_worker.kernels.block_copy import (
@@ -24,6 +25,7 @@ from gpu_worker.kernels.block_copy import (
     scatter_blocks_ref,
     scatter_blocks_triton,
 )
+from gpu_worker.kernels.cpu_attention import paged_attention_cpu
 from gpu_worker.kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
@@ -39,6 +41,7 @@ __all__ = [
     "gather_blocks_ref",
     "gather_blocks_triton",
     "paged_attention",
+    "paged_attention_cpu",
     "paged_attention_ref",
     "paged_attention_triton",
     "scatter_blocks",

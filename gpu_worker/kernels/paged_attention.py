@@ -11,34 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels.cpu_attention import check_attention_args, paged_attention_cpu
 from gpu_worker.kernels.store_kv import use_triton
-
-
-def _check_attention_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> None:
-    if query.dim() != 3:
-        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"caches must be [blocks, block_size, kv_heads, head_dim], got {key_cache.shape}"
-        )
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    num_seqs = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {query_start_loc.shape}")
 
 
 def paged_attention_ref(
@@ -55,7 +29,7 @@ def paged_attention_ref(
     are zero. Decodes (one query row) are computed together, padded to the longest
     context; prefill chunks one sequence at a time.
     """
-    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -383,7 +357,7 @@ def paged_attention_triton(
     """Triton version of :func:`paged_attention_ref` (flash-style online softmax over the
     sequence's KV blocks). Query rows outside every sequence are left uninitialised.
     """
-    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -445,13 +419,15 @@ def paged_attention(
     ``query`` [tokens, heads, head_dim]; sequence ``s`` owns rows
     ``query_start_loc[s]:query_start_loc[s+1]``, which sit at the last positions of its
     ``seq_lens[s]`` context (K/V already in the cache via ``block_tables[s]``). Returns
-    ``[tokens, heads, head_dim]`` in ``query.dtype``.
+    ``[tokens, heads, head_dim]`` in ``query.dtype``. CUDA tensors take the Triton kernel,
+    others :func:`~gpu_worker.kernels.cpu_attention.paged_attention_cpu` (the torch
+    reference stays the oracle of both).
     """
     if use_triton(query, key_cache):
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
-    return paged_attention_ref(
+    return paged_attention_cpu(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
     )
 

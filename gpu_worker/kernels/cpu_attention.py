@@ -1,0 +1,202 @@
+"""Paged attention on CPU: padded groups of sequences through torch's fused SDPA.
+
+The same contract as :func:`gpu_worker.kernels.paged_attention.paged_attention_ref` (mixed
+batches of prefill chunks and decodes, causal, GQA), built for speed where there is no
+Triton: sequences are grouped by padded size, and each group is one batched gather of its
+blocks through the block table, one masked ``scaled_dot_product_attention`` call with
+``enable_gqa`` (K/V heads are never repeated) and one scatter of the result rows. Nothing
+is upcast: the inputs' dtype goes straight to SDPA, which accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """Shapes shared by every paged-attention implementation (raises ``ValueError``)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"caches must be [blocks, block_size, kv_heads, head_dim], got {key_cache.shape}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {query_start_loc.shape}")
+
+
+_PAD_SLACK = 1.5
+"""A group's padded (query rows x keys) area stays within this factor of its real area."""
+
+_GROUP_ELEMENTS = 1 << 23
+"""Bound on a group's gathered K (and padded query) elements, unless one sequence alone
+is larger: it bounds the copies a group makes and the scratch buffers they reuse."""
+
+
+class _Scratch:
+    """Grow-only buffers for the gathered K/V, reused by every group, layer and step:
+    writing into memory already touched saves the page faults of fresh large allocations,
+    which cost more than the copy itself. One forward at a time per process, as in the
+    worker.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` buffer of ``like``'s dtype and device, slot 0 or 1 (K or V)."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (slot, like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            # A normal tensor even under inference mode, which may be left before the next
+            # call (an inference tensor takes no in-place writes outside of it).
+            with torch.inference_mode(False):
+                buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+_SCRATCH = _Scratch()
+
+
+def _groups(
+    seqs: list[int], q_lens: list[int], lens: list[int], kv_row: int, q_row: int
+) -> list[list[int]]:
+    """Sequences by decreasing (query rows x keys), cut greedily into groups whose padding
+    stays within :data:`_PAD_SLACK` and whose copies within :data:`_GROUP_ELEMENTS`.
+    Decodes (one query row) fall together, shortest contexts apart from the longest.
+    """
+    order = sorted(seqs, key=lambda s: q_lens[s] * lens[s], reverse=True)
+    groups: list[list[int]] = []
+    group: list[int] = []
+    max_q = max_len = area = 0
+    for s in order:
+        q = max(max_q, q_lens[s])
+        keys = max(max_len, lens[s])
+        n = len(group) + 1
+        fits = (
+            n * q * keys <= _PAD_SLACK * (area + q_lens[s] * lens[s])
+            and n * max(keys * kv_row, q * q_row) <= _GROUP_ELEMENTS
+        )
+        if group and not fits:
+            groups.append(group)
+            group, q, keys, area = [], q_lens[s], lens[s], 0
+        group.append(s)
+        max_q, max_len, area = q, keys, area + q_lens[s] * lens[s]
+    if group:
+        groups.append(group)
+    return groups
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`~gpu_worker.kernels.paged_attention.paged_attention_ref`'s results (within
+    float tolerance), computed a group of sequences at a time. Query rows outside
+    ``query_start_loc[0]:query_start_loc[-1]`` are zero.
+    """
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [end - begin for begin, end in itertools.pairwise(starts)]
+    active = [s for s, seq_len in enumerate(lens) if q_lens[s] > 0 and seq_len > 0]
+    num_heads, head_dim = query.shape[1:]
+    kv_row = key_cache.shape[2] * head_dim
+    tables = block_tables.to(device=key_cache.device, dtype=torch.int64)
+    for group in _groups(active, q_lens, lens, kv_row, num_heads * head_dim):
+        _attend_group(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            tables[group],
+            torch.tensor([lens[s] for s in group], device=query.device),
+            torch.tensor([starts[s] for s in group], device=query.device),
+            torch.tensor([q_lens[s] for s in group], device=query.device),
+            scale,
+        )
+    return out
+
+
+def _attend_group(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_begins: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """One padded SDPA call for the group's sequences (``tables`` their block tables)."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    device = query.device
+    n = seq_lens.shape[0]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    keys = num_blocks * block_size
+    max_q = int(q_lens.max())
+
+    # Table entries past a sequence's own blocks may hold anything: read block 0 there.
+    block_index = torch.arange(num_blocks, device=device)
+    own = block_index[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
+    blocks = torch.where(own, tables[:, :num_blocks], 0).view(-1)
+    gathered = (blocks.shape[0], block_size, num_kv_heads, head_dim)
+    k = torch.index_select(key_cache, 0, blocks, out=_SCRATCH.take(0, key_cache, gathered))
+    v = torch.index_select(value_cache, 0, blocks, out=_SCRATCH.take(1, value_cache, gathered))
+    k = k.view(n, keys, num_kv_heads, head_dim)
+    v = v.view(n, keys, num_kv_heads, head_dim)
+    # Slots past a context may hold anything, even NaN, which a masked score would not
+    # hide (NaN - inf is NaN): zero them in the copies.
+    key_pos = torch.arange(keys, device=device)
+    past = key_pos[None, :] >= seq_lens[:, None]  # [n, keys]
+    stale = past.view(-1).nonzero().view(-1)
+    k.view(n * keys, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
+    v.view(n * keys, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
+
+    # Query row i of sequence s sits at position seq_len - q_len + i; padded rows (i past
+    # q_len) repeat the last row and see the whole context, so no row is fully masked.
+    row = torch.arange(max_q, device=device)
+    q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [n, max_q]
+    rows = q_begins[:, None] + torch.minimum(row[None, :], (q_lens - 1)[:, None])
+    q = query.index_select(0, rows.view(-1)).view(n, max_q, -1, head_dim)
+    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & ~past[:, None, :]
+    attn = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # [n, max_q, heads, head_dim]
+    real = row[None, :] < q_lens[:, None]
+    out.index_copy_(0, rows[real], attn[real])

@@ -1,0 +1,221 @@
+"""The CPU paged-attention path against the torch reference.
+
+Random caches (NaN wherever no token was stored, so reading a stale slot poisons the
+output), shuffled block ids, garbage past each block table's own entries, and mixed
+batches: decodes, chunks with cached prefixes, whole prompts, sequences without new
+tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gpu_worker.kernels import paged_attention, paged_attention_cpu, paged_attention_ref
+
+CPU_MOD = importlib.import_module("gpu_worker.kernels.cpu_attention")
+ATTN_MOD = importlib.import_module("gpu_worker.kernels.paged_attention")
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    lead_rows: int = 0,
+) -> Batch:
+    """``seqs``: (context length incl. new tokens, new tokens) per sequence. The cache is
+    one layer of a two-layer ``[blocks, layers, 2, block_size, kv_heads, head_dim]``
+    tensor, as in the worker (strided views). ``lead_rows`` query rows precede the
+    first sequence's."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-seq_len // block_size) for seq_len, _ in seqs]
+    num_blocks = sum(needed) + 3
+    kv_cache = torch.full(
+        (num_blocks, 2, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
+    )
+    key_cache, value_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.full((len(seqs), max(needed, default=0) + 2), 10**6, dtype=torch.int32)
+    used = 0
+    for s, (seq_len, _) in enumerate(seqs):
+        ids = perm[used : used + needed[s]]
+        used += needed[s]
+        block_tables[s, : needed[s]] = ids.to(torch.int32)
+        pos = torch.arange(seq_len)
+        blocks, offsets = ids[pos // block_size], pos % block_size
+        shape = (seq_len, num_kv_heads, head_dim)
+        key_cache[blocks, offsets] = torch.randn(shape, generator=g).to(dtype)
+        value_cache[blocks, offsets] = torch.randn(shape, generator=g).to(dtype)
+    q_lens = torch.tensor([q_len for _, q_len in seqs], dtype=torch.int32)
+    query_start_loc = torch.full((len(seqs) + 1,), lead_rows, dtype=torch.int32)
+    query_start_loc[1:] += torch.cumsum(q_lens, 0, dtype=torch.int32)
+    num_tokens = lead_rows + int(q_lens.sum())
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    return Batch(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        scale=1.0 / math.sqrt(head_dim),
+    )
+
+
+def mixed_seqs(seed: int, max_context: int = 300) -> list[tuple[int, int]]:
+    """Decodes, chunks after cached prefixes, whole prompts and an idle sequence."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    decodes = [(rand(1, max_context), 1) for _ in range(rand(3, 12))]
+    chunks = []
+    for _ in range(rand(1, 3)):
+        new = rand(2, 40)
+        chunks.append((new + rand(1, max_context - new), new))
+    prompts = [(n, n) for n in (rand(2, 60), rand(2, 60))]
+    seqs = [*decodes, *chunks, *prompts, (rand(1, 50), 0)]
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    return [seqs[i] for i in order]
+
+
+def assert_matches_reference(batch: Batch, atol: float, rtol: float) -> torch.Tensor:
+    expected = paged_attention_ref(*batch.args())
+    out = paged_attention_cpu(*batch.args())
+    assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (4, 2), (2, 4), (1, 8)])
+def test_mixed_batches_match_reference(
+    num_kv_heads: int, group: int, head_dim: int, block_size: int
+) -> None:
+    seed = num_kv_heads * 1000 + group * 100 + head_dim + block_size
+    batch = make_batch(
+        mixed_seqs(seed), num_kv_heads, group, head_dim, block_size, torch.float32, seed
+    )
+    assert_matches_reference(batch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 4), (1, 8)])
+def test_half_precision_matches_reference(
+    dtype: torch.dtype, num_kv_heads: int, group: int
+) -> None:
+    batch = make_batch(mixed_seqs(7), num_kv_heads, group, 64, 16, dtype, seed=7)
+    # The reference attends in float32 and rounds once; SDPA rounds its inputs' products
+    # differently: a couple of units in the last place of the outputs (|x| < 4).
+    assert_matches_reference(batch, atol=3e-2, rtol=2e-2)
+
+
+def test_decode_batch_like_the_microbenchmark() -> None:
+    """64 decodes, contexts 100-400, 8 heads on 2 KV heads: the shape the path is for."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [(int(n), 1) for n in torch.randint(100, 401, (64,), generator=g)]
+    assert_matches_reference(make_batch(seqs, 2, 4, 64, 16, torch.float32, 3), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize(("slack", "elements"), [(1.0, 1 << 23), (math.inf, 1), (1.5, 1 << 12)])
+def test_grouping_does_not_change_results(
+    monkeypatch: pytest.MonkeyPatch, slack: float, elements: int
+) -> None:
+    """Exact padding only, one sequence per group, or small groups: the same results."""
+    monkeypatch.setattr(CPU_MOD, "_PAD_SLACK", slack)
+    monkeypatch.setattr(CPU_MOD, "_GROUP_ELEMENTS", elements)
+    batch = make_batch(mixed_seqs(11), 2, 4, 32, 4, torch.float32, seed=11)
+    assert_matches_reference(batch, atol=1e-5, rtol=1e-5)
+
+
+def test_groups_bound_padding_and_size() -> None:
+    lens = [400, 390, 300, 150, 100, 120, 50]
+    q_lens = [1, 1, 1, 1, 1, 1, 50]
+    groups = CPU_MOD._groups(list(range(len(lens))), q_lens, lens, 1, 1)
+    assert sorted(s for group in groups for s in group) == list(range(len(lens)))
+    assert groups[0] == [6]  # the prompt (50 x 50) apart from the decodes
+    for group in groups:
+        area = sum(q_lens[s] * lens[s] for s in group)
+        padded = len(group) * max(q_lens[s] for s in group) * max(lens[s] for s in group)
+        assert padded <= CPU_MOD._PAD_SLACK * area
+
+
+def test_rows_outside_sequences_are_zero_and_scratch_is_reused() -> None:
+    batch = make_batch([(30, 5), (17, 1)], 2, 2, 32, 4, torch.float32, seed=5, lead_rows=3)
+    out = assert_matches_reference(batch, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))
+    # A second, smaller batch reads the same scratch buffers: nothing stale leaks in.
+    small = make_batch([(9, 1), (6, 6)], 2, 2, 32, 4, torch.float32, seed=6)
+    assert_matches_reference(small, atol=1e-5, rtol=1e-5)
+
+
+def test_scratch_from_inference_mode_is_reused_outside() -> None:
+    """The engine runs under inference mode, tests and tools may not: either order."""
+    CPU_MOD._SCRATCH._buffers.clear()
+    big = make_batch([(300, 1), (200, 20)], 2, 2, 32, 4, torch.float32, seed=8)
+    with torch.inference_mode():
+        assert_matches_reference(big, atol=1e-5, rtol=1e-5)
+    assert_matches_reference(big, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        assert_matches_reference(big, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batches() -> None:
+    batch = make_batch([(12, 0)], 2, 2, 32, 4, torch.float32, seed=1, lead_rows=2)
+    assert torch.equal(paged_attention_cpu(*batch.args()), torch.zeros_like(batch.query))
+    none = make_batch([], 2, 2, 32, 4, torch.float32, seed=1)
+    assert paged_attention_cpu(*none.args()).shape == (0, 4, 32)
+
+
+def test_dispatch_takes_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
+    called: list[str] = []
+
+    def spy(*args: object) -> torch.Tensor:
+        called.append("cpu")
+        return paged_attention_cpu(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ATTN_MOD, "paged_attention_cpu", spy)
+    monkeypatch.setattr(ATTN_MOD, "paged_attention_ref", None)
+    batch = make_batch([(20, 4), (9, 1)], 2, 2, 32, 4, torch.float32, seed=2)
+    paged_attention(*batch.args())
+    assert called == ["cpu"]
+
+
+def test_rejects_bad_shapes() -> None:
+    batch = make_batch([(9, 1)], 2, 2, 32, 4, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_attention_cpu(batch.query[:, :3], *batch.args()[1:])
