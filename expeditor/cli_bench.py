@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from expeditor.cli import app, fail
+from expeditor.cli_client import step_times_line
 from expeditor.cli_options import with_config_options
 
 BENCH_HELP = """Run a workload against targets on the same checkpoint and report request
@@ -107,6 +108,9 @@ def bench(
         out = Console()
         out.width = max(out.width, 150)  # the table has a dozen columns
         out.print(results_table(load.name, load.description, [r for r, _ in results]))
+        for result, _ in results:
+            if result.step_ms is not None:
+                out.print(f"{result.target}: {step_times_line(result.step_ms)}", highlight=False)
     if plot is not None:
         for path in write_plots(results, plot):
             console.print(f"wrote {path}")

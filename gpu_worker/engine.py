@@ -168,7 +168,9 @@ class LLM:
         """One step (:class:`StepEngine`), its outputs processed as the daemon does:
         detokenized, stop strings applied, finished requests collected."""
         record = self.engine.step()
+        started = time.perf_counter()
         self.outputs.on_step(record.events)
+        self.engine.times.add_outputs(time.perf_counter() - started)
         return record
 
     def _collect(self, client: bytes, message: ServerMessage) -> None:

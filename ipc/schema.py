@@ -63,6 +63,7 @@ __all__ = [
     "ServerMessage",
     "Shutdown",
     "StepResult",
+    "StepTimes",
     "StepTiming",
     "Timings",
     "Usage",
@@ -196,6 +197,20 @@ class StepTiming(msgspec.Struct, frozen=True, kw_only=True):
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+
+
+class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a step's time goes: mean milliseconds per step over ``steps`` steps (the
+    parts: :mod:`scheduler_svc.step_times`, docs/architecture.md "The step")."""
+
+    schedule: float = 0.0
+    transfer: float = 0.0
+    prepare: float = 0.0
+    swap: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    outputs: float = 0.0
+    steps: int = 0
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_field="type"):
@@ -442,6 +457,10 @@ class InspectReply(
     config: dict[str, object]
     model: str
     frontend: str
+    step_times: StepTimes | None = None
+    """Moving mean over the last steps (``steps`` of them); None before the first step."""
+    step_times_total: StepTimes | None = None
+    """Mean over every step since the server started."""
 
 
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):

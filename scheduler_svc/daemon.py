@@ -9,6 +9,7 @@ Tasks on one (uv)loop:
   out and collects the results -> update); it never waits on a client (sends are
   non-blocking);
 - outputs: detokenize, stop strings, Delta / Finished, while the next step runs;
+  each step's parts and its outputs' time go to one :class:`StepTimer` (inspect);
 - housekeeping: lost workers, silent clients, the systemd watchdog.
 """
 
@@ -36,6 +37,7 @@ from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import StepEngine
+from scheduler_svc.step_times import StepTimer
 from scheduler_svc.workers import WorkerHandle, WorkerRegistry
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
@@ -100,8 +102,16 @@ class SchedulerDaemon:
         self.events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
         """What the output task sends: each step's events, requests ended outside a step."""
         self.wake = asyncio.Event()
+        self.step_times = StepTimer()
         self.frontend = Frontend(
-            frontend_socket, server, config, self.registry, self.events, self.wake, self._stop_seq
+            frontend_socket,
+            server,
+            config,
+            self.registry,
+            self.events,
+            self.wake,
+            self._stop_seq,
+            step_times=self.step_times,
         )
         self.stop_event = asyncio.Event()
         self.signals = 0
@@ -276,7 +286,7 @@ class SchedulerDaemon:
             kv_bytes_per_block=hello.kv_bytes_per_block,
             vocab_size=hello.vocab_size or None,
         )
-        self.engine = StepEngine(self.core, self.executor)
+        self.engine = StepEngine(self.core, self.executor, times=self.step_times)
         self.frontend.attach(self.core, hello.model, load_tokenizer(hello.model))
 
     # -- the step loop -------------------------------------------------------------------
@@ -313,8 +323,15 @@ class SchedulerDaemon:
         return self.engine.stop_seq(seq_id) if self.engine is not None else None
 
     async def _output_loop(self) -> None:
+        outputs, times = self.frontend.outputs, self.step_times
         while True:
-            self.frontend.outputs.handle(await self.events.get())
+            item = await self.events.get()
+            if isinstance(item, StepEvents):
+                started = time.perf_counter()
+                outputs.on_step(item)
+                times.add_outputs(time.perf_counter() - started)
+            else:
+                outputs.handle(item)
 
     # -- housekeeping --------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.step_times import StepTimer
     from scheduler_svc.workers import WorkerRegistry
     from shared.config import SchedulerConfig
     from shared.server_config import ServerConfig
@@ -107,9 +108,12 @@ class Frontend:
         events: asyncio.Queue[StepEvents | RequestEnded],
         wake: asyncio.Event,
         finish_seq: Callable[[str], str | None],
+        *,
+        step_times: StepTimer | None = None,
     ) -> None:
         """``events`` is the output task's queue (requests ended here go in it), ``wake``
-        wakes the step loop, ``finish_seq`` ends a sample a stop string stopped."""
+        wakes the step loop, ``finish_seq`` ends a sample a stop string stopped,
+        ``step_times`` is where the steps' time went (for inspect)."""
         self.socket = socket
         self.server = server
         self.config = config
@@ -117,6 +121,7 @@ class Frontend:
         self.events = events
         self.wake = wake
         self.outputs = OutputProcessor(None, self.send, finish_seq)
+        self.step_times = step_times
         self.core: Scheduler | None = None
         self.model = server.model
         self.backlog: list[tuple[ClientRequest, Generate]] = []
@@ -311,12 +316,15 @@ class Frontend:
 
     def _inspect(self) -> InspectReply:
         config = self.core.config if self.core is not None else self.config
+        times = self.step_times if self.step_times is not None and self.step_times.steps else None
         return InspectReply(
             snapshot=snapshot(self.core) if self.core is not None else None,
             workers=self.registry.info(),
             config=msgspec.to_builtins(config),
             model=self.model,
             frontend=self.server.frontend,
+            step_times=times.recent() if times is not None else None,
+            step_times_total=times.total() if times is not None else None,
         )
 
     def _health(self) -> HealthStatus:

@@ -27,6 +27,7 @@ from scheduler_svc.outputs import StepEvents
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_records import UpdateOutcome
+from scheduler_svc.step_times import StepTimer
 from shared.outputs import FinishReason
 
 
@@ -72,21 +73,30 @@ class StepRecord:
     schedule_s: float = 0.0
     update_s: float = 0.0
     """Time in the core: ``schedule()``, and ``update()`` (the events not included)."""
+    execute_s: float = 0.0
+    """From submitting the plan to having its result (the worker's time included)."""
 
 
 class StepEngine:
     """Drives a :class:`Scheduler` with an :class:`Executor`, one step at a time.
 
     With ``check_invariants`` every step asserts the core's invariants after planning
-    and after the update (the simulator and the tests; too slow for serving).
+    and after the update (the simulator and the tests; too slow for serving). Every
+    applied step is added to ``times`` (where its time went).
     """
 
     def __init__(
-        self, core: Scheduler, executor: Executor, *, check_invariants: bool = False
+        self,
+        core: Scheduler,
+        executor: Executor,
+        *,
+        check_invariants: bool = False,
+        times: StepTimer | None = None,
     ) -> None:
         self.core = core
         self.executor = executor
         self.check_invariants = check_invariants
+        self.times = times if times is not None else StepTimer()
 
     def has_work(self) -> bool:
         return self.core.has_work()
@@ -94,19 +104,23 @@ class StepEngine:
     def step(self) -> StepRecord:
         """Plan, run and apply one step, waiting for its result."""
         record = self._plan()
+        started = time.perf_counter()
         try:
             result = self.executor.submit(record.plan).result()
         except StepLostError:
             return self._lost(record)
+        record.execute_s = time.perf_counter() - started
         return self._apply(record, result)
 
     async def step_async(self) -> StepRecord:
         """:meth:`step` for an event loop: waits for the result without blocking it."""
         record = self._plan()
+        started = time.perf_counter()
         try:
             result = await asyncio.wrap_future(self.executor.submit(record.plan))
         except StepLostError:
             return self._lost(record)
+        record.execute_s = time.perf_counter() - started
         return self._apply(record, result)
 
     def stop_seq(self, seq_id: str) -> str | None:
@@ -150,6 +164,7 @@ class StepEngine:
             scheduled_requests=[n.request_id for n in record.plan.new_seqs],
             time=time.monotonic(),
         )
+        self.times.add_step(record.schedule_s + record.update_s, record.execute_s, result.timing)
         self._check("the update", record.plan.step)
         return record
 

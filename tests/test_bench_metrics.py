@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 
@@ -17,6 +19,7 @@ from expeditor.bench.metrics import (
     ttft,
 )
 from expeditor.bench.workloads import skewed
+from ipc.schema import StepTimes
 from shared.stats import percentile, summarize
 
 
@@ -177,3 +180,45 @@ def test_compute_result_notes() -> None:
     empty = compute_result("t", "w", [])
     assert empty.num_requests == 0 and empty.duration_s == 0.0 and empty.notes == []
     assert empty.ttft_ms is None and empty.e2e_ms is None
+
+
+STEP_MS_KEYS = {"schedule", "transfer", "prepare", "swap", "forward", "sample", "outputs", "steps"}
+
+
+def check_step_ms(entry: dict) -> None:
+    """A ``--json`` result's ``step_ms``: every part, non-negative, over some steps."""
+    step_ms = entry["step_ms"]
+    assert set(step_ms) == STEP_MS_KEYS
+    assert all(isinstance(v, int | float) and v >= 0 for v in step_ms.values()), step_ms
+    assert step_ms["steps"] > 0
+
+
+def test_compute_result_carries_step_times() -> None:
+    times = StepTimes(schedule=0.1, forward=2.0, steps=3)
+    result = compute_result("inprocess", "skewed", [_timeline("a", 0.0, [0.5], 1.0)])
+    assert result.step_ms is None
+    result = compute_result(
+        "inprocess", "skewed", [_timeline("a", 0.0, [0.5], 1.0)], step_times=times
+    )
+    assert result.step_ms == times
+    assert msgspec.json.decode(msgspec.json.encode(result), type=TargetResult) == result
+
+
+def test_inprocess_bench_json_reports_step_ms() -> None:
+    from expeditor.bench.run import parse_target, report_json, run_bench
+    from gpu_worker.tiny_model import default_model_dir
+
+    load = skewed(4, seed=0, prompt_len=(8, 24), mean_output=4, max_output=8)
+    model = default_model_dir()
+    results = run_bench(
+        load,
+        [parse_target("inprocess"), parse_target("static")],
+        model=model,
+        base_config={"max_num_seqs": 4},
+        device="cpu",
+        on_done=lambda label: None,
+    )
+    report = json.loads(report_json(load, [r for r, _ in results], seed=0, model=model))
+    inprocess, static = report["results"]
+    check_step_ms(inprocess)
+    assert static["step_ms"] is None  # no step engine

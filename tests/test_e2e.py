@@ -460,8 +460,23 @@ def test_generate_and_inspect_commands(server) -> None:
         timeout=60,
         check=True,
     )
-    for label in ("queues", "GPU blocks", "prefix cache", "preemptions", "workers", "ready"):
+    for label in (
+        "queues",
+        "GPU blocks",
+        "prefix cache",
+        "preemptions",
+        "step ms",
+        "workers",
+        "ready",
+    ):
         assert label in table.stdout
+    state = _inspect(address)  # after the requests: where their steps' time went
+    parts = {"schedule", "transfer", "prepare", "swap", "forward", "sample", "outputs"}
+    for key in ("step_times", "step_times_total"):
+        times = state[key]
+        assert set(times) == {*parts, "steps"}, times
+        assert times["steps"] >= 1 and all(times[p] >= 0 for p in parts), times
+    assert state["step_times"]["steps"] == min(100, state["step_times_total"]["steps"])
     missing = subprocess.run(
         [*run, "inspect", "--address", "ipc:///nonexistent/fe.sock", "--timeout", "1"],
         capture_output=True,
@@ -469,6 +484,37 @@ def test_generate_and_inspect_commands(server) -> None:
         timeout=60,
     )
     assert missing.returncode == 1 and "is the server" in missing.stderr
+
+
+def test_bench_expeditor_target_reports_step_ms(model: Path) -> None:
+    """``expeditor bench --json`` for the daemons: ``step_ms`` from one final inspect."""
+    from expeditor.bench.run import parse_target, report_json, run_bench
+    from expeditor.bench.workloads import skewed
+
+    load = skewed(6, seed=1, prompt_len=(8, 24), mean_output=4, max_output=8)
+    results = run_bench(
+        load,
+        [parse_target("expeditor")],
+        model=model,
+        base_config={"max_num_seqs": 4, "num_gpu_blocks": 128},
+        device="cpu",
+        on_done=lambda label: None,
+    )
+    (entry,) = json.loads(report_json(load, [r for r, _ in results], seed=1, model=model))[
+        "results"
+    ]
+    step_ms = entry["step_ms"]
+    assert set(step_ms) == {
+        "schedule",
+        "transfer",
+        "prepare",
+        "swap",
+        "forward",
+        "sample",
+        "outputs",
+        "steps",
+    }
+    assert all(value >= 0 for value in step_ms.values()) and step_ms["steps"] >= 1, step_ms
 
 
 def test_two_ranks_serve_and_survive_losing_one(model: Path, expected) -> None:

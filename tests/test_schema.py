@@ -22,6 +22,7 @@ from ipc.schema import (
     SeqStatus,
     ServerMessage,
     StepResult,
+    StepTimes,
     StepTiming,
     WorkerHello,
     WorkerInfo,
@@ -156,6 +157,40 @@ def test_snapshot_round_trip() -> None:
     assert isinstance(back, SchedulerSnapshot)
     assert back == snapshot
     assert back.prefix_cache.hit_rate == pytest.approx(0.4)
+
+
+def test_inspect_reply_carries_step_times_and_old_replies_still_decode() -> None:
+    times = StepTimes(schedule=0.2, transfer=0.5, forward=3.0, sample=0.4, outputs=0.1, steps=7)
+    reply = InspectReply(
+        snapshot=make_snapshot(),
+        workers=[],
+        config={"block_size": 4},
+        model="m",
+        frontend="f",
+        step_times=times,
+        step_times_total=msgspec.structs.replace(times, steps=9),
+    )
+    back = server_decoder.decode(encode(reply))
+    assert back == reply and isinstance(back, InspectReply)
+    assert back.step_times is not None and back.step_times.steps == 7
+    # a server from before step_times: its reply decodes, the fields are None
+    raw = msgspec.msgpack.decode(encode(reply))
+    del raw["step_times"], raw["step_times_total"]
+    old = server_decoder.decode(msgspec.msgpack.encode(raw))
+    assert isinstance(old, InspectReply)
+    assert old.step_times is None and old.step_times_total is None
+
+    class OldInspectReply(
+        msgspec.Struct, frozen=True, kw_only=True, tag="inspect_reply", tag_field="type"
+    ):
+        snapshot: SchedulerSnapshot | None
+        workers: list[WorkerInfo]
+        config: dict[str, object]
+        model: str
+        frontend: str
+
+    # a client from before step_times ignores the fields it does not know
+    assert msgspec.msgpack.decode(encode(reply), type=OldInspectReply).model == "m"
 
 
 def test_frames_carry_their_tag() -> None:

@@ -27,6 +27,7 @@ from itertools import pairwise
 import msgspec
 
 from expeditor.bench.workloads import Workload
+from ipc.schema import StepTimes
 from shared.stats import summarize
 
 __all__ = [
@@ -157,7 +158,9 @@ class TargetResult(msgspec.Struct, kw_only=True):
     ``{"mean", "p50", "p99"}`` in milliseconds, or ``None`` when no request gave a value.
     ``kv`` is :func:`kv_stats` of the target's samples (``None``: not reported);
     ``preemptions`` maps a mode (e.g. ``"swap"``, ``"recompute"``) to a count;
-    ``prefix_cache_hit_rate`` is the share of queried prompt tokens found in the cache.
+    ``prefix_cache_hit_rate`` is the share of queried prompt tokens found in the cache;
+    ``step_ms`` is where a step's time went, mean milliseconds per step over the run
+    (:class:`~ipc.schema.StepTimes`; ``None`` for targets without a step engine).
     """
 
     target: str
@@ -176,6 +179,7 @@ class TargetResult(msgspec.Struct, kw_only=True):
     prefix_cache_hit_rate: float | None = None
     notes: list[str] = []
     total_prompt_tokens: int = 0
+    step_ms: StepTimes | None = None
 
 
 def compute_result(
@@ -187,6 +191,7 @@ def compute_result(
     kv_samples: Iterable[KVSample] | None = None,
     preemptions: dict[str, int] | None = None,
     prefix_hit_rate: float | None = None,
+    step_times: StepTimes | None = None,
 ) -> TargetResult:
     """Summarise the ``timelines`` of one target's run into a :class:`TargetResult`.
 
@@ -249,4 +254,5 @@ def compute_result(
         prefix_cache_hit_rate=prefix_hit_rate,
         notes=notes,
         total_prompt_tokens=total_prompt,
+        step_ms=step_times,
     )

@@ -94,6 +94,7 @@ def run_bench(
             kv_samples=run.kv_samples,
             preemptions=run.preemptions,
             prefix_hit_rate=run.prefix_hit_rate,
+            step_times=run.step_times,
         )
         if run.notes:
             result = msgspec.structs.replace(result, notes=[*result.notes, *run.notes])

@@ -26,7 +26,7 @@ from typing import Any
 
 from expeditor.bench.metrics import KVSample, RequestTimeline
 from expeditor.bench.workloads import BenchRequest, Workload
-from ipc.schema import SchedulerSnapshot, SeqStatus
+from ipc.schema import SchedulerSnapshot, SeqStatus, StepTimes
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
 
@@ -39,6 +39,8 @@ class TargetRun:
     kv_samples: list[KVSample] | None = None
     preemptions: dict[str, int] | None = None
     prefix_hit_rate: float | None = None
+    step_times: StepTimes | None = None
+    """Mean times per step over the whole run (the targets with a step engine)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -111,12 +113,14 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
         sampler = asyncio.create_task(sample_kv())
         await asyncio.gather(*(one(r) for r in workload.requests))
         sampler.cancel()
-        final = (await client.inspect()).snapshot
+        reply = await client.inspect()
+    final = reply.snapshot
     return TargetRun(
         timelines=timelines,
         kv_samples=samples,
         preemptions=dict(final.preemptions) if final else None,
         prefix_hit_rate=final.prefix_cache.hit_rate if final else None,
+        step_times=reply.step_times_total,
     )
 
 
@@ -213,6 +217,7 @@ def run_inprocess(
             prefix_hit_rate=(sched.kv.hit_tokens / sched.kv.queried_tokens)
             if sched.kv.queried_tokens
             else 0.0,
+            step_times=llm.engine.times.total(),
         )
 
 
