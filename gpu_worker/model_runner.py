@@ -9,11 +9,13 @@ the LM head over each sampled sequence's last position only and the sampler.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
@@ -34,16 +36,45 @@ class StepInputs:
     """One packed forward: every scheduled token side by side, sequence by sequence."""
 
     token_ids: list[int] = field(default_factory=list)
-    slot_positions: list[list[int]] = field(default_factory=list)
-    """Per sequence, the positions of its new tokens (their K/V slots)."""
+    starts: list[int] = field(default_factory=list)
+    """Per sequence, the position of its first new token (its new tokens' positions,
+    and K/V slots, run on from there)."""
     tables: list[list[int]] = field(default_factory=list)
     """Per sequence, its block table."""
     query_start_loc: list[int] = field(default_factory=lambda: [0])
     """Offset of each sequence's first token in the packed batch, then the total."""
 
-    @property
-    def positions(self) -> list[int]:
-        return [p for seq_positions in self.slot_positions for p in seq_positions]
+    def host_arrays(self, block_size: int) -> dict[str, np.ndarray]:
+        """The step's index arrays, built without per-token Python: ``positions`` and
+        ``slot_mapping`` (int64, per token), ``block_tables`` (int32, zero-padded),
+        ``seq_lens`` and ``query_start_loc`` (int32)."""
+        num_seqs = len(self.tables)
+        query_start_loc = np.array(self.query_start_loc, dtype=np.int64)
+        num_tokens = np.diff(query_start_loc)
+        starts = np.array(self.starts, dtype=np.int64)
+        total = int(query_start_loc[-1])
+        positions = np.arange(total, dtype=np.int64) + np.repeat(
+            starts - query_start_loc[:-1], num_tokens
+        )
+        table_lens = np.fromiter(map(len, self.tables), dtype=np.int64, count=num_seqs)
+        width = max(int(table_lens.max()), 1)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        tables[np.arange(width)[None, :] < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(self.tables),
+            dtype=np.int32,
+            count=int(table_lens.sum()),
+        )
+        owner = np.repeat(np.arange(num_seqs), num_tokens)
+        slots = tables[owner, positions // block_size].astype(np.int64) * block_size + (
+            positions % block_size
+        )
+        return {
+            "positions": positions,
+            "slot_mapping": slots,
+            "block_tables": tables,
+            "seq_lens": (starts + num_tokens).astype(np.int32),
+            "query_start_loc": query_start_loc.astype(np.int32),
+        }
 
 
 def _seed_for(seed: int, position: int) -> int:
@@ -135,7 +166,7 @@ class ModelRunner:
         self._forward(
             StepInputs(
                 token_ids=[0] * max_tokens,
-                slot_positions=[list(range(max_tokens))],
+                starts=[0],
                 tables=[list(range(probe.num_blocks))],
                 query_start_loc=[0, max_tokens],
             ),
@@ -157,29 +188,20 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Hidden states of every packed token."""
         device = self.device
-        bs = self.block_size
-        tables = inputs.tables
-        slots = [
-            table[p // bs] * bs + p % bs
-            for table, seq_positions in zip(tables, inputs.slot_positions, strict=True)
-            for p in seq_positions
-        ]
-        width = max(len(t) for t in tables)
+        host = {k: torch.from_numpy(v) for k, v in inputs.host_arrays(self.block_size).items()}
+        if device.type != "cpu":
+            host = {k: v.to(device) for k, v in host.items()}
         meta = attention.StepMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-            ),
-            seq_lens=torch.tensor(
-                [p[-1] + 1 for p in inputs.slot_positions], dtype=torch.int32, device=device
-            ),
-            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=device),
+            slot_mapping=host["slot_mapping"],
+            block_tables=host["block_tables"],
+            seq_lens=host["seq_lens"],
+            query_start_loc=host["query_start_loc"],
             layer_caches=cache.layer_caches,
         )
         with torch.inference_mode():
             out = self.model.model(
                 input_ids=torch.tensor([inputs.token_ids], dtype=torch.int64, device=device),
-                position_ids=torch.tensor([inputs.positions], dtype=torch.int64, device=device),
+                position_ids=host["positions"][None],
                 use_cache=False,
                 expeditor_meta=meta,
             )
@@ -218,7 +240,7 @@ class ModelRunner:
         for item in batch:
             seq = item.seq
             inputs.token_ids.extend(seq.token_ids[item.start : item.end])
-            inputs.slot_positions.append(list(item.positions))
+            inputs.starts.append(item.start)
             inputs.tables.append(seq.block_ids)
             inputs.query_start_loc.append(inputs.query_start_loc[-1] + item.num_tokens)
         return inputs

@@ -117,6 +117,13 @@ class Sampler:
             return SampleOutput(token_ids=[], logprobs=[])
         device = logits.device
 
+        if not any(masked_token_ids) and all(
+            (p.temperature == 0 or p.top_k == 1) and p.logprobs is None for p in params
+        ):
+            # All greedy, nothing masked, no logprobs: one argmax, one transfer.
+            token_ids: list[int] = logits.float().argmax(dim=-1).tolist()
+            return SampleOutput(token_ids=token_ids, logprobs=[None] * num_rows)
+
         logits = _masked_float32(logits, masked_token_ids)
 
         greedy = [p.temperature == 0 or p.top_k == 1 for p in params]
@@ -136,7 +143,7 @@ class Sampler:
                 [generators[r] for r in random_rows],
             )
 
-        token_ids: list[int] = tokens.tolist()
+        token_ids = tokens.tolist()
         return SampleOutput(
             token_ids=token_ids, logprobs=_logprobs(logits, tokens, token_ids, params)
         )

@@ -164,7 +164,7 @@ def test_grouping_does_not_change_results(
 def test_groups_bound_padding_and_size() -> None:
     lens = [400, 390, 300, 150, 100, 120, 50]
     q_lens = [1, 1, 1, 1, 1, 1, 50]
-    groups = CPU_MOD._groups(list(range(len(lens))), q_lens, lens, 1, 1)
+    groups = CPU_MOD.group_sequences(list(range(len(lens))), q_lens, lens, 1, 1)
     assert sorted(s for group in groups for s in group) == list(range(len(lens)))
     assert groups[0] == [6]  # the prompt (50 x 50) apart from the decodes
     for group in groups:
@@ -184,7 +184,7 @@ def test_rows_outside_sequences_are_zero_and_scratch_is_reused() -> None:
 
 def test_scratch_from_inference_mode_is_reused_outside() -> None:
     """The engine runs under inference mode, tests and tools may not: either order."""
-    CPU_MOD._SCRATCH._buffers.clear()
+    CPU_MOD.SCRATCH._buffers.clear()
     big = make_batch([(300, 1), (200, 20)], 2, 2, 32, 4, torch.float32, seed=8)
     with torch.inference_mode():
         assert_matches_reference(big, atol=1e-5, rtol=1e-5)

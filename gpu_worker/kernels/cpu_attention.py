@@ -78,10 +78,10 @@ class _Scratch:
         return buffer[:numel].view(shape)
 
 
-_SCRATCH = _Scratch()
+SCRATCH = _Scratch()
 
 
-def _groups(
+def group_sequences(
     seqs: list[int], q_lens: list[int], lens: list[int], kv_row: int, q_row: int
 ) -> list[list[int]]:
     """Sequences by decreasing (query rows x keys), cut greedily into groups whose padding
@@ -132,7 +132,7 @@ def paged_attention_cpu(
     num_heads, head_dim = query.shape[1:]
     kv_row = key_cache.shape[2] * head_dim
     tables = block_tables.to(device=key_cache.device, dtype=torch.int64)
-    for group in _groups(active, q_lens, lens, kv_row, num_heads * head_dim):
+    for group in group_sequences(active, q_lens, lens, kv_row, num_heads * head_dim):
         _attend_group(
             out,
             query,
@@ -171,8 +171,8 @@ def _attend_group(
     own = block_index[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
     blocks = torch.where(own, tables[:, :num_blocks], 0).view(-1)
     gathered = (blocks.shape[0], block_size, num_kv_heads, head_dim)
-    k = torch.index_select(key_cache, 0, blocks, out=_SCRATCH.take(0, key_cache, gathered))
-    v = torch.index_select(value_cache, 0, blocks, out=_SCRATCH.take(1, value_cache, gathered))
+    k = torch.index_select(key_cache, 0, blocks, out=SCRATCH.take(0, key_cache, gathered))
+    v = torch.index_select(value_cache, 0, blocks, out=SCRATCH.take(1, value_cache, gathered))
     k = k.view(n, keys, num_kv_heads, head_dim)
     v = v.view(n, keys, num_kv_heads, head_dim)
     # Slots past a context may hold anything, even NaN, which a masked score would not
