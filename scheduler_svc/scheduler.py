@@ -30,9 +30,7 @@ from collections.abc import Iterable
 
 from ipc.schema import (
     BatchPlan,
-    BlockUpdate,
     ErrorCode,
-    NewSeq,
     SeqStatus,
     StepResult,
 )
@@ -295,18 +293,7 @@ class Scheduler:
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
 
-        plan = BatchPlan(
-            step=self.step,
-            num_scheduled_tokens=step.num_scheduled,
-            new_seqs=step.new_seqs,
-            block_updates=step.block_updates,
-            freed_seq_ids=self._freed_seq_ids,
-            reset=self._reset_workers,
-            swap_out=step.swap_out,
-            swap_in=step.swap_in,
-            copies=step.copies,
-            num_samples=step.num_samples,
-        )
+        plan = step.plan(self.step, self._freed_seq_ids, reset=self._reset_workers)
         self._freed_seq_ids = []
         self._reset_workers = False
         self._inflight = step.inflight
@@ -358,35 +345,7 @@ class Scheduler:
 
     def _schedule_seq(self, seq: Sequence, num_new: int, step: StepBuilder) -> None:
         appended, cow = self.kv.append(seq, num_new)
-        seq_id = seq.seq_id
-        if cow is not None:
-            step.copies.append((cow[1], cow[2]))
-        if not seq.on_worker:
-            step.new_seqs.append(
-                NewSeq(
-                    seq_id=seq_id,
-                    request_id=seq.request.request_id,
-                    sample_index=seq.sample_index,
-                    token_ids=list(seq.token_ids),
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_computed_tokens=seq.num_computed_tokens,
-                    block_ids=list(seq.block_table),
-                    sampling=seq.request.params,
-                )
-            )
-            seq.on_worker = True
-        elif appended or cow is not None:
-            step.block_updates.append(
-                BlockUpdate(
-                    seq_id=seq_id,
-                    appended=appended,
-                    replaced=[] if cow is None else [(cow[0], cow[2])],
-                )
-            )
-        step.num_scheduled[seq_id] = num_new
-        step.inflight.append((seq, num_new))
-        if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
-            step.num_samples[seq_id] = 1 + seq.pending_forks
+        step.add(seq, num_new, appended, cow)
         request = seq.request
         if request.first_scheduled_step is None:
             request.first_scheduled_step = self.step

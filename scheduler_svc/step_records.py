@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ipc.schema import BlockUpdate, NewSeq
+from ipc.schema import BatchPlan, BlockUpdate, NewSeq
+from scheduler_svc.kv_manager import CopyOnWrite
 from scheduler_svc.policies import PreemptionMode
 from scheduler_svc.request import Request, Sequence
 
@@ -51,3 +52,58 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_samples: dict[str, int] = field(default_factory=dict)
+
+    def add(
+        self,
+        seq: Sequence,
+        num_new: int,
+        appended: list[int],
+        cow: CopyOnWrite | None,
+    ) -> None:
+        """Schedule ``num_new`` tokens of ``seq``, whose block table just grew by
+        ``appended`` and, on a copy-on-write, had entry ``cow[0]`` copied from block
+        ``cow[1]`` to ``cow[2]``: full data for a sequence the workers do not hold,
+        block-table changes for one they do."""
+        seq_id = seq.seq_id
+        if cow is not None:
+            self.copies.append((cow[1], cow[2]))
+        if not seq.on_worker:
+            self.new_seqs.append(
+                NewSeq(
+                    seq_id=seq_id,
+                    request_id=seq.request.request_id,
+                    sample_index=seq.sample_index,
+                    token_ids=list(seq.token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_computed_tokens=seq.num_computed_tokens,
+                    block_ids=list(seq.block_table),
+                    sampling=seq.request.params,
+                )
+            )
+            seq.on_worker = True
+        elif appended or cow is not None:
+            self.block_updates.append(
+                BlockUpdate(
+                    seq_id=seq_id,
+                    appended=appended,
+                    replaced=[] if cow is None else [(cow[0], cow[2])],
+                )
+            )
+        self.num_scheduled[seq_id] = num_new
+        self.inflight.append((seq, num_new))
+        if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
+            self.num_samples[seq_id] = 1 + seq.pending_forks
+
+    def plan(self, step: int, freed_seq_ids: list[str], *, reset: bool) -> BatchPlan:
+        return BatchPlan(
+            step=step,
+            num_scheduled_tokens=self.num_scheduled,
+            new_seqs=self.new_seqs,
+            block_updates=self.block_updates,
+            freed_seq_ids=freed_seq_ids,
+            reset=reset,
+            swap_out=self.swap_out,
+            swap_in=self.swap_in,
+            copies=self.copies,
+            num_samples=self.num_samples,
+        )
