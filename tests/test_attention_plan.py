@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_cpu_attention import mixed_seqs  # the same batch shapes as the kernel's tests
 
 from gpu_worker import attention
 from gpu_worker.kernels import paged_attention_cpu, paged_attention_ref, store_kv_ref
@@ -113,23 +114,6 @@ def run_both(
             )
         )
     return planned, expected, kv, expected_kv
-
-
-def mixed_seqs(seed: int, max_context: int = 300) -> list[tuple[int, int]]:
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(lo: int, hi: int) -> int:
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
-    decodes = [(rand(1, max_context), 1) for _ in range(rand(3, 12))]
-    chunks = []
-    for _ in range(rand(1, 3)):
-        new = rand(2, 40)
-        chunks.append((new + rand(1, max_context - new), new))
-    prompts = [(n, n) for n in (rand(2, 60), rand(2, 60))]
-    seqs = [*decodes, *chunks, *prompts, (rand(1, 50), 0)]
-    order = torch.randperm(len(seqs), generator=g).tolist()
-    return [seqs[i] for i in order]
 
 
 def assert_same(
