@@ -208,8 +208,11 @@ class ModelRunner:
         return out.last_hidden_state[0]
 
     def execute(self, plan: BatchPlan) -> StepResult:
+        # Timed parts: swap, forward, sample; the rest of total (plan state, inputs) is
+        # the step's preparation.
         started = time.perf_counter()
         batch = self.state.apply(plan)
+        applied = time.perf_counter()
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy(plan.copies)
@@ -217,6 +220,7 @@ class ModelRunner:
         if not batch:
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
+        prepared = time.perf_counter()
         hidden = self._forward(inputs, self.kv_cache)
         forwarded = time.perf_counter()
         sampled, logprobs = self._sample(batch, inputs, hidden)
@@ -227,8 +231,8 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             timing=StepTiming(
-                swap_s=swapped - started,
-                forward_s=forwarded - swapped,
+                swap_s=swapped - applied,
+                forward_s=forwarded - prepared,
                 sample_s=done - forwarded,
                 total_s=done - started,
             ),
