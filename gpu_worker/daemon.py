@@ -2,10 +2,10 @@
 
 Protocol (one DEALER socket): send WorkerJoin; receive WorkerSetup; load the model and
 size the KV cache; send WorkerHello; then for each BatchPlan send its StepResult.
-AttachSwapPool maps the scheduler's swap pool; Shutdown leaves with status 0. A plan
-runs on an executor thread while this thread keeps sending heartbeats, so a long step
-is never mistaken for a dead worker. A worker that cannot serve sends WorkerError and
-exits non-zero.
+AttachSwapPool maps the scheduler's swap pool; Shutdown leaves with status 0. The model
+load and every plan run on an executor thread while this thread keeps sending
+heartbeats, so a slow load or a long step is never mistaken for a dead worker. A
+worker that cannot serve sends WorkerError and exits non-zero.
 """
 
 from __future__ import annotations
@@ -154,8 +154,16 @@ class WorkerDaemon:
                 return 1
             if isinstance(message, WorkerSetup):
                 setup = message
+        # Load on the step thread while this one keeps the heartbeats going: a model
+        # that takes longer than the scheduler's worker_timeout_s to load is not lost.
+        loading = self.executor.submit(self._setup, setup)
+        while not loading.done():
+            if self.stop:
+                return 0
+            self._beat()
+            wait([loading], timeout=HEARTBEAT_S)
         try:
-            hello = self._setup(setup)
+            hello = loading.result()
         except Exception as exc:  # loading can fail in many ways; all are fatal here
             return self._fail(f"{type(exc).__name__}: {exc}")
         self._send(hello)

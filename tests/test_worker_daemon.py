@@ -1,0 +1,70 @@
+"""The worker daemon against a fake scheduler socket: heartbeats keep coming while the
+model loads, so a slow load is not taken for a dead worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from gpu_worker.daemon import HEARTBEAT_S, WorkerDaemon
+from ipc.schema import (
+    Shutdown,
+    WorkerHello,
+    WorkerJoin,
+    WorkerSetup,
+    encode,
+    worker_decoder,
+)
+
+LOAD_S = 4 * HEARTBEAT_S
+
+
+def _fake_scheduler(sock: zmq.Socket, seen: list[str]) -> None:
+    """Answer the join with a setup, note every frame until the hello, then dismiss."""
+    if not sock.poll(10_000):
+        return
+    identity, frame = sock.recv_multipart()
+    seen.append(type(worker_decoder.decode(frame)).__name__)
+    setup = WorkerSetup(model="slow", block_size=16, max_num_batched_tokens=64)
+    sock.send_multipart([identity, encode(setup)])
+    while seen[-1] != WorkerHello.__name__ and sock.poll(10_000):
+        seen.append(type(worker_decoder.decode(sock.recv_multipart()[1])).__name__)
+    sock.send_multipart([identity, encode(Shutdown())])
+
+
+def test_heartbeats_continue_while_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow_setup(self: WorkerDaemon, setup: WorkerSetup) -> WorkerHello:
+        time.sleep(LOAD_S)  # a checkpoint that takes a while to load
+        return WorkerHello(
+            rank=self.rank,
+            pid=0,
+            device="cpu",
+            num_gpu_blocks=8,
+            kv_bytes_per_block=1,
+            block_size=setup.block_size,
+            model="slow",
+        )
+
+    monkeypatch.setattr(WorkerDaemon, "_setup", slow_setup)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path}/workers.sock"
+    sock.bind(endpoint)
+    seen: list[str] = []
+    scheduler = threading.Thread(target=_fake_scheduler, args=(sock, seen))
+    scheduler.start()
+    try:
+        assert WorkerDaemon(0, endpoint, "cpu").run() == 0  # left on the Shutdown
+    finally:
+        scheduler.join(20)
+        sock.close(linger=0)
+        ctx.term()
+    assert seen[0] == WorkerJoin.__name__ and seen[-1] == WorkerHello.__name__
+    beats = seen[1:-1]
+    assert len(beats) >= 2 and set(beats) == {"Heartbeat"}, seen
