@@ -91,8 +91,8 @@ def summarize(soak: Soak) -> dict[str, Any]:
         },
         "latency_s": {
             "completed": len(latencies),
-            "p50": percentile(latencies, 0.5),
-            "p99": percentile(latencies, 0.99),
+            "p50": percentile(latencies, 50),
+            "p99": percentile(latencies, 99),
             "max": max(latencies, default=None),
         },
         "abort_calls": dict(soak.abort_calls),

@@ -5,7 +5,6 @@ frontend must refuse, and samples of a process's RSS and open fds."""
 from __future__ import annotations
 
 import enum
-import math
 import os
 import random
 import string
@@ -19,6 +18,7 @@ import msgspec
 
 from ipc.async_client import ClientCompletion
 from ipc.schema import Generate, encode
+from shared import stats
 from shared.sampling import SamplingParams
 
 TOKEN_IDS = (3, 250)
@@ -147,10 +147,8 @@ def check_completion(spec: Spec, completion: ClientCompletion) -> str:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    """The ``q``-th percentile (0..100, :func:`shared.stats.percentile`), None if empty."""
+    return stats.percentile(values, q) if values else None
 
 
 def bad_frame(kind: str, rng: random.Random, number: int) -> list[bytes]:

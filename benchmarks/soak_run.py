@@ -398,7 +398,7 @@ class Soak:
         event.update(
             max_ping_s=round(max(pings), 3) if pings else None,
             others_completed=len(others),
-            others_p50_s=percentile(others, 0.5),
+            others_p50_s=percentile(others, 50),
             others_max_s=max(others, default=None),
         )
 

@@ -108,7 +108,7 @@ class CurveServer:
         public_key, secret_key = load_certificate(server_key_file, "curve_server_key", secret=True)
         assert secret_key is not None
         self.public_key, self.secret_key = public_key, secret_key
-        self.num_authorized = len(authorized_keys(authorized_dir))
+        authorized_keys(authorized_dir)  # refuses a missing or unreadable allow-list
         self.authenticator = AsyncioAuthenticator(ctx)
         self.authenticator.start()
         self.authenticator.configure_curve(domain="*", location=authorized_dir)

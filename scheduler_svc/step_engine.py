@@ -109,8 +109,7 @@ class StepEngine:
             result = self.executor.submit(record.plan).result()
         except StepLostError:
             return self._lost(record)
-        record.execute_s = time.perf_counter() - started
-        return self._apply(record, result)
+        return self._apply(record, result, started)
 
     async def step_async(self) -> StepRecord:
         """:meth:`step` for an event loop: waits for the result without blocking it."""
@@ -120,8 +119,7 @@ class StepEngine:
             result = await asyncio.wrap_future(self.executor.submit(record.plan))
         except StepLostError:
             return self._lost(record)
-        record.execute_s = time.perf_counter() - started
-        return self._apply(record, result)
+        return self._apply(record, result, started)
 
     def stop_seq(self, seq_id: str) -> str | None:
         """A stop string ended sample ``seq_id``: end it in the core. Returns its request
@@ -145,8 +143,9 @@ class StepEngine:
         self._check("planning", plan.step)
         return record
 
-    def _apply(self, record: StepRecord, result: StepResult) -> StepRecord:
+    def _apply(self, record: StepRecord, result: StepResult, submitted: float) -> StepRecord:
         started = time.perf_counter()
+        record.execute_s = started - submitted
         outcome = self.core.update(result)
         record.update_s = time.perf_counter() - started
         record.result = result
