@@ -295,7 +295,10 @@ class SchedulerDaemon:
         while True:
             self.loop_alive = time.monotonic()
             engine = self.engine
-            if engine is None or not self.executor.serving() or not engine.has_work():
+            # Steps in flight are always collected (a lost one re-queues its requests).
+            if engine is None or not (
+                engine.pending or (self.executor.serving() and engine.has_work())
+            ):
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=1.0)

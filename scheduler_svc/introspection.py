@@ -34,8 +34,10 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
             for block in seq.block_table:
                 refs[block] += 1
             cpu_held.extend(seq.cpu_block_table)
-            if not 0 <= seq.num_computed_tokens <= seq.num_tokens:
+            if not 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_placeholders:
                 problems.append(f"{seq.seq_id}: computed {seq.num_computed_tokens} tokens")
+            if seq.num_placeholders and not scheduler.inflight:
+                problems.append(f"{seq.seq_id}: placeholders with no step in flight")
             if status is SeqStatus.RUNNING:
                 covered = len(seq.block_table) * scheduler.block_size
                 if covered < seq.num_computed_tokens:

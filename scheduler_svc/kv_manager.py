@@ -4,11 +4,12 @@ Every mutation comes in a check/commit pair (``can_admit``/``admit`` + ``append`
 ``can_append``/``append``, ``can_swap_in``/``swap_in``): the scheduler asks first and
 commits only what fits, so a refused step leaves nothing half-allocated.
 
-A sequence's device block table always covers exactly its computed tokens plus the
-tokens scheduled in the step in flight. Full blocks are registered in the prefix cache
-when they are allocated for the step that fills them; the worker stores every new K/V
-of a layer before attention reads, so a sequence admitted in the same step may already
-share them.
+A sequence's device block table always covers exactly its computed tokens (those of
+the steps in flight included). Full blocks are registered in the prefix cache when they
+are allocated for the step that fills them, or, when that step computes a placeholder
+(overlapped scheduling), with the next step's growth once the token is known; the
+worker stores every new K/V of a layer before attention reads, so a sequence admitted
+in the same step may already share them.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ class KVCacheManager:
         appended = self.pool.allocate(need) if need > 0 else []
         table.extend(appended)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+            # A block is keyed by its tokens: one ending in a placeholder waits for them.
+            known = min(seq.num_computed_tokens + num_new, len(seq.token_ids))
+            self._cache_full_blocks(seq, known)
         return appended, cow
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -6,7 +6,9 @@ chooses), hellos (accepted or refused by the host), heartbeats, the fan-out of e
 plan to every ready rank and the collection of their results (rank 0's samples are
 used), and losses: a worker that says it failed, goes silent, dies (seen by its pid
 when it runs in this pid namespace), or owes a step for ``step_timeout_s`` (hung:
-killed) is dropped. A loss during a step fails that step's future with
+killed) is dropped. Several plans may be in flight (overlapped scheduling): a worker
+runs them in order, so a step's timeout counts from when the step before it ended. A
+loss during a step fails the futures of every step in flight with
 :class:`~scheduler_svc.step_engine.StepLostError`; a loss between steps is reported to
 the host, which re-queues.
 """
@@ -18,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -82,7 +85,8 @@ class RemoteExecutor:
         self.registry = registry
         self.host = host
         self.step_timeout_s = step_timeout_s
-        self.inflight: _Inflight | None = None
+        self.inflight: deque[_Inflight] = deque()
+        """Steps sent and not answered by every rank, oldest first."""
 
     # -- the executor ----------------------------------------------------------------------
 
@@ -98,10 +102,9 @@ class RemoteExecutor:
             future.set_exception(StepLostError("no worker is ready"))
             return future
         inflight = _Inflight(plan.step, {w.identity for w in ready}, future)
-        inflight.timer = asyncio.get_running_loop().call_later(
-            self.step_timeout_s, self._timed_out, inflight
-        )
-        self.inflight = inflight
+        self.inflight.append(inflight)
+        if len(self.inflight) == 1:
+            self._arm(inflight)
         payload = encode(plan)
         for handle in ready:
             self._send_raw(handle.identity, payload)
@@ -179,31 +182,42 @@ class RemoteExecutor:
         log.info("worker rank %d ready: %d KV blocks", hello.rank, hello.num_gpu_blocks)
 
     def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
-        inflight = self.inflight
-        if (
-            inflight is None
-            or result.step != inflight.step
-            or handle.identity not in inflight.pending
-        ):
+        inflight = next((i for i in self.inflight if i.step == result.step), None)
+        if inflight is None or handle.identity not in inflight.pending:
             return
         inflight.pending.discard(handle.identity)
         inflight.results[handle.rank] = result
         if not inflight.pending:
+            # Ranks run steps in order: the step every rank answered is the oldest.
             self._end(inflight)
             inflight.future.set_result(inflight.results[min(inflight.results)])
+            if self.inflight:
+                self._arm(self.inflight[0])
 
     # -- losses ------------------------------------------------------------------------------
+
+    def _arm(self, inflight: _Inflight) -> None:
+        """Start the step's timeout: it is the oldest in flight, so running now."""
+        inflight.timer = asyncio.get_running_loop().call_later(
+            self.step_timeout_s, self._timed_out, inflight
+        )
 
     def _end(self, inflight: _Inflight) -> None:
         if inflight.timer is not None:
             inflight.timer.cancel()
-        if self.inflight is inflight:
-            self.inflight = None
+        if inflight in self.inflight:
+            self.inflight.remove(inflight)
+
+    def _fail_all(self, reason: str) -> None:
+        """Fail every step in flight (the device cache they build on is gone)."""
+        for inflight in list(self.inflight):
+            self._end(inflight)
+            inflight.future.set_exception(StepLostError(reason))
 
     def _timed_out(self, inflight: _Inflight) -> None:
         """Workers that still owe a step after step_timeout_s are hung (a stuck kernel
         keeps heartbeats going): kill them, so serve or systemd starts fresh ones."""
-        if self.inflight is not inflight:
+        if not self.inflight or self.inflight[0] is not inflight:
             return
         for identity in list(inflight.pending):
             handle = self.registry.drop(identity)
@@ -220,8 +234,7 @@ class RemoteExecutor:
                 os.kill(handle.pid, signal.SIGKILL)
             except OSError as exc:  # gone already, or not ours to kill
                 log.warning("could not kill pid %d: %s", handle.pid, exc)
-        self._end(inflight)
-        inflight.future.set_exception(StepLostError(f"step {inflight.step} hung"))
+        self._fail_all(f"step {inflight.step} hung")
 
     def _lose(self, identity: bytes) -> None:
         handle = self.registry.drop(identity)
@@ -232,10 +245,8 @@ class RemoteExecutor:
         """The device cache of a dropped worker is gone: fail the step in flight (its
         driver then re-queues), or have the host re-queue now if idle."""
         log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
-        inflight = self.inflight
-        if inflight is not None:
-            self._end(inflight)
-            inflight.future.set_exception(StepLostError(f"rank {handle.rank} lost"))
+        if self.inflight:
+            self._fail_all(f"rank {handle.rank} lost")
         else:
             self.host.worker_lost_idle()
 

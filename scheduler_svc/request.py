@@ -3,9 +3,10 @@
 A request with ``n`` samples owns ``n`` sequences once its prompt is computed; before
 that it has one (sample 0), and the others are forked from it, sharing its blocks.
 Progress is tracked by counters only: a sequence needs work while
-``num_computed_tokens < len(token_ids)``, whether that is a fresh prompt, a prompt
-chunk, the prompt after a prefix-cache hit, a recompute after preemption, or the
-latest sampled token of a decode.
+``num_computed_tokens < len(token_ids) + num_placeholders``, whether that is a fresh
+prompt, a prompt chunk, the prompt after a prefix-cache hit, a recompute after
+preemption, or the latest sampled token of a decode (known, or a placeholder for one a
+step in flight samples).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Sequence:
         "key",
         "num_cached_blocks",
         "num_computed_tokens",
+        "num_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "on_worker",
@@ -124,6 +126,10 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
+        """Tokens whose K/V are in the cache or are computed by a step in flight."""
+        self.num_placeholders = 0
+        """Tokens sampled by steps in flight whose ids are not back yet (overlapped
+        scheduling): the next step may compute them already, the worker knows them."""
         self.block_table: list[int] = []
         self.cpu_block_table: list[int] = []
         self.block_hashes: list[int] = []

@@ -26,6 +26,7 @@ max_model_len) and frees their blocks.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Iterable
 
 from ipc.schema import (
@@ -44,7 +45,13 @@ from scheduler_svc.policies import (
 )
 from scheduler_svc.queues import SeqQueue
 from scheduler_svc.request import QueueKey, RejectedError, Request, Sequence
-from scheduler_svc.step_records import StepBuilder, StepReport, UpdateOutcome, WorkerProtocolError
+from scheduler_svc.step_records import (
+    InflightStep,
+    StepBuilder,
+    StepReport,
+    UpdateOutcome,
+    WorkerProtocolError,
+)
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
@@ -107,11 +114,10 @@ class Scheduler:
         self._freed_seq_ids: list[str] = []
         self._reset_workers = False
         """The next plan must tell workers to forget everything (a worker was lost)."""
-        self.cpu_release: list[int] = []
-        """CPU blocks of the swap-ins in flight, released when their step's result arrives."""
-        self._inflight: list[tuple[Sequence, int]] | None = None
-        self._inflight_swap_outs: list[Sequence] = []
-        """Sequences whose swap-out copies ride on the plan in flight."""
+        self.max_inflight = 2 if config.overlap_scheduling else 1
+        """Steps planned ahead of their results: 2 plans step N+1 while N runs."""
+        self.inflight: deque[InflightStep] = deque()
+        """Planned steps whose results have not been applied, oldest first."""
         self.last_plan_tokens = 0
         """Tokens the last plan scheduled."""
         self.report = StepReport(step=-1)
@@ -199,14 +205,29 @@ class Scheduler:
         """Whether a plan is due: sequences to run, or ended ones the workers must drop."""
         return bool(self.running or len(self.waiting) or len(self.swapped) or self._freed_seq_ids)
 
+    def can_plan_ahead(self) -> bool:
+        """Whether :meth:`schedule` may plan another step before the oldest result is
+        applied: fewer than ``max_inflight`` in flight, and none forks n>1 samples (the
+        forked sequences are only known from its result)."""
+        inflight = self.inflight
+        return len(inflight) < self.max_inflight and not (inflight and inflight[-1].forks)
+
+    @property
+    def cpu_release(self) -> list[int]:
+        """CPU blocks of the swap-ins in flight (released when their results arrive)."""
+        return [block for step in self.inflight for block in step.cpu_release]
+
     @property
     def num_running_slots(self) -> int:
         """Running sequences, counting the n>1 samples they will fork."""
         return len(self.running) + self._running_forks
 
-    def schedule(self) -> BatchPlan:
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called twice without update()")
+    def schedule(self) -> BatchPlan | None:
+        """Plan the next step. With steps in flight (overlapped scheduling) a sequence
+        whose last token is not back yet computes it as a placeholder; returns None
+        when such a plan would carry nothing for the workers."""
+        if self.inflight and not self.can_plan_ahead():
+            raise RuntimeError("schedule() called with too many steps in flight")
         cfg = self.config
         kv = self.kv
         report = self.report = StepReport(step=self.step)
@@ -223,12 +244,17 @@ class Scheduler:
         bs = self.block_size
         ref_cnt = kv.pool.ref_cnt
         num_scheduled = step.num_scheduled
-        inflight = step.inflight
+        scheduled = step.scheduled
+        sampling = step.sampling
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
             computed = seq.num_computed_tokens
-            num_new = len(seq.token_ids) - computed
+            pending = seq.num_placeholders
+            num_new = len(seq.token_ids) + pending - computed
+            if pending and self._result_needed(seq):
+                index += 1  # it may end with the token in flight: wait for it
+                continue
             if (
                 num_new == 1
                 and computed % bs
@@ -239,7 +265,10 @@ class Scheduler:
             ):
                 # A decode inside its own partial block: no block, copy or cache change.
                 num_scheduled[seq.seq_id] = 1
-                inflight.append((seq, 1))
+                scheduled.append(seq)
+                seq.num_computed_tokens = computed + 1
+                seq.num_placeholders = pending + 1
+                sampling.append(seq)
                 budget -= 1
                 index += 1
                 continue
@@ -254,17 +283,19 @@ class Scheduler:
             else:
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
-                if (seq.num_computed_tokens + num_new) % bs == 0:
+                if seq.num_computed_tokens % bs == 0:
                     growth_reserve += 1
                 index += 1
 
         # Resume swapped and admit waiting sequences, in queue order, no overtaking.
+        cpu_release: list[int] = []
         if not preempted_here:
             reserve = self.watermark_blocks + growth_reserve
             while budget > 0:
                 candidate, from_swapped = self._next_candidate()
                 if (
                     candidate is None
+                    or candidate.num_placeholders  # preempted with a token in flight
                     or self.num_running_slots + candidate.slots_needed > cfg.max_num_seqs
                 ):
                     break
@@ -277,7 +308,7 @@ class Scheduler:
                     self.swapped.pop()
                     pairs, cpu_blocks = kv.swap_in(seq, hits)
                     step.swap_in.extend(pairs)
-                    self.cpu_release.extend(cpu_blocks)
+                    cpu_release.extend(cpu_blocks)
                     report.swapped_in.append(seq.seq_id)
                 else:
                     hits = kv.find_prefix(seq)
@@ -293,14 +324,35 @@ class Scheduler:
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
 
+        if self.inflight and not (
+            step.scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
+        ):
+            return None  # nothing for the workers until a result is back
         plan = step.plan(self.step, self._freed_seq_ids, reset=self._reset_workers)
         self._freed_seq_ids = []
         self._reset_workers = False
-        self._inflight = step.inflight
-        self._inflight_swap_outs = step.swapped_out
+        self.inflight.append(
+            InflightStep(
+                self.step,
+                step.scheduled,
+                step.sampling,
+                bool(step.num_samples),
+                cpu_release,
+                step.swapped_out,
+            )
+        )
         self.last_plan_tokens = cfg.max_num_batched_tokens - budget
         self.step += 1
         return plan
+
+    def _result_needed(self, seq: Sequence) -> bool:
+        """Whether ``seq``, with tokens in flight, must wait for them before it is planned
+        again: it forks when they are back, or reaches its length limit with them."""
+        num_tokens = len(seq.token_ids) + seq.num_placeholders
+        return bool(seq.pending_forks) or (
+            num_tokens - seq.num_prompt_tokens >= seq.request.max_output_tokens
+            or num_tokens >= self.max_model_len
+        )
 
     def _chunk(self, num_new: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -325,6 +377,8 @@ class Scheduler:
         seq, from_swapped = self._next_candidate()
         if seq is None or not self.running or self.running[-1].key < seq.key:
             return  # nobody running ranks after it: nothing to take room from
+        if seq.num_placeholders:
+            return  # preempted with a token in flight: admitted once it is back
         kv = self.kv
         if from_swapped:
             hits = kv.find_swap_hits(seq)
@@ -378,27 +432,27 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------
 
     def update(self, result: StepResult) -> UpdateOutcome:
-        """Apply one step's sampled tokens; stop and free what finished."""
-        inflight = self._inflight
-        if inflight is None:
+        """Apply the oldest step in flight's sampled tokens; stop and free what finished.
+
+        A sequence preempted after that step was planned still gets its token (it is
+        waiting or swapped now); one that ended meanwhile (abort, stop string, or EOS
+        of the step before) drops it."""
+        if not self.inflight:
             raise RuntimeError("update() without a scheduled step")
-        if result.step != self.step - 1:
-            raise WorkerProtocolError(f"result for step {result.step}, expected {self.step - 1}")
-        self._inflight = None
-        self._inflight_swap_outs = []
+        done = self.inflight[0]
+        if result.step != done.step:
+            raise WorkerProtocolError(f"result for step {result.step}, expected {done.step}")
+        self.inflight.popleft()
         # The swap-ins of that step have run: their CPU blocks are free again.
-        self.kv.cpu_pool.release(self.cpu_release)
-        self.cpu_release = []
+        self.kv.cpu_pool.release(done.cpu_release)
         sampled = result.sampled_token_ids
         logprobs = result.logprobs or {}
         outcome = UpdateOutcome()
-        running = SeqStatus.RUNNING
-        for seq, num_new in inflight:
-            if seq.status is not running:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk short of the end samples nothing
+        finished = SeqStatus.FINISHED
+        for seq in done.sampling:
+            seq.num_placeholders -= 1
+            if seq.status is finished:
+                continue
             tokens = sampled.get(seq.seq_id)
             if not tokens or len(tokens) != 1 + seq.pending_forks:
                 raise WorkerProtocolError(
@@ -514,23 +568,25 @@ class Scheduler:
         it cannot crash worker after worker. Returns those requests; the caller tells
         their clients why.
         """
+        inflight, self.inflight = self.inflight, deque()
+        # The oldest step was running when the worker died: its requests are suspects.
         suspects = {
             seq.request: None
-            for seq, _ in self._inflight or ()
+            for seq in (inflight[0].scheduled if inflight else ())
             if seq.status is not SeqStatus.FINISHED
         }
-        self._inflight = None
-        self.kv.cpu_pool.release(self.cpu_release)
-        self.cpu_release = []
-        for seq in self._inflight_swap_outs:
-            if seq.status is SeqStatus.SWAPPED:
-                self.swapped.remove(seq)
-                self.kv.cpu_pool.release(seq.cpu_block_table)
-                seq.cpu_block_table = []
-                seq.num_computed_tokens = 0
-                seq.status = SeqStatus.WAITING
-                self.waiting.push(seq)
-        self._inflight_swap_outs = []
+        for lost in inflight:
+            self.kv.cpu_pool.release(lost.cpu_release)
+            for seq in lost.sampling:
+                seq.num_placeholders = 0  # never sampled: planned again from known tokens
+            for seq in lost.swapped_out:
+                if seq.status is SeqStatus.SWAPPED:
+                    self.swapped.remove(seq)
+                    self.kv.cpu_pool.release(seq.cpu_block_table)
+                    seq.cpu_block_table = []
+                    seq.num_computed_tokens = 0
+                    seq.status = SeqStatus.WAITING
+                    self.waiting.push(seq)
         for seq in list(self.running):
             self.kv.free(seq)
             seq.num_computed_tokens = 0

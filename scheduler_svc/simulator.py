@@ -9,6 +9,11 @@ A trace is JSON Lines, one request per line::
 (lower runs first), ``n``, ``eos_at`` (the k-th output token, 1-based, is EOS),
 ``abort_step`` (the client aborts before that step) and ``client`` (who submits it,
 for fair share; absent = one anonymous client) are optional.
+
+The simulation is step-exact by default: each step's result is applied before the next
+plan (``overlap_scheduling`` off), so a step record shows one decision and its outcome.
+``overlap=True`` plans ahead as the daemon does (the tests check that outputs stay the
+same); a record then describes the step whose result was just applied.
 """
 
 from __future__ import annotations
@@ -112,10 +117,12 @@ class Simulation:
         verify_kv: bool = False,
         check_invariants: bool = True,
         max_steps: int | None = None,
+        overlap: bool = False,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("simulation needs num_gpu_blocks")
         self.trace = sorted(trace, key=lambda r: r.arrival_step)
+        config = msgspec.structs.replace(config, overlap_scheduling=overlap)
         self.config = config
         self.model = FakeModel(eos_at={r.id: r.eos_at for r in trace if r.eos_at is not None})
         self.scheduler = Scheduler(
@@ -158,7 +165,7 @@ class Simulation:
         generated = 0
         preempted_ids: set[str] = set()
 
-        while pending or sched.has_work():
+        while pending or self.engine.has_work():
             step = sched.step
             if step >= self.max_steps:
                 raise RuntimeError(f"simulation made no progress within {self.max_steps} steps")
@@ -195,7 +202,7 @@ class Simulation:
             if on_step is not None:
                 on_step(
                     {
-                        "step": step,
+                        "step": plan.step,
                         "scheduled": dict(plan.num_scheduled_tokens),
                         "preempted": [{"id": s, "mode": m} for s, m in report.preempted],
                         "swapped_in": list(report.swapped_in),

@@ -9,13 +9,19 @@ same :class:`~scheduler_svc.outputs.OutputProcessor` inline, the simulator recor
 plan.
 
 An executor takes a plan and returns a future of its result without waiting for it,
-so a driver can plan the next step while this one runs.
+so the engine plans the next step while this one runs (overlapped scheduling, the
+core's ``overlap_scheduling``): each :meth:`StepEngine.step` first fills the pipeline
+(plan and submit while the core may plan ahead), then waits for the oldest step's
+result and applies it. With an asynchronous executor (worker processes) the workers
+start step N+1 the moment step N ends, and the scheduler's planning, its update and
+the output processing of step N-1 run meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -74,7 +80,8 @@ class StepRecord:
     update_s: float = 0.0
     """Time in the core: ``schedule()``, and ``update()`` (the events not included)."""
     execute_s: float = 0.0
-    """From submitting the plan to having its result (the worker's time included)."""
+    """From submitting the plan, or from the previous step's result when it was
+    submitted ahead of it, to having its result (the worker's time included)."""
 
 
 class StepEngine:
@@ -97,29 +104,31 @@ class StepEngine:
         self.executor = executor
         self.check_invariants = check_invariants
         self.times = times if times is not None else StepTimer()
+        self.pending: deque[tuple[StepRecord, Future[StepResult], float]] = deque()
+        """Submitted steps, oldest first, with their submission times."""
+        self._last_result = 0.0
 
     def has_work(self) -> bool:
-        return self.core.has_work()
+        return bool(self.pending) or self.core.has_work()
 
     def step(self) -> StepRecord:
-        """Plan, run and apply one step, waiting for its result."""
-        record = self._plan()
-        started = time.perf_counter()
+        """Plan and submit what may be planned, then wait for the oldest step's result
+        and apply it."""
+        record, future, submitted = self._next()
         try:
-            result = self.executor.submit(record.plan).result()
+            result = future.result()
         except StepLostError:
             return self._lost(record)
-        return self._apply(record, result, started)
+        return self._apply(record, result, submitted)
 
     async def step_async(self) -> StepRecord:
         """:meth:`step` for an event loop: waits for the result without blocking it."""
-        record = self._plan()
-        started = time.perf_counter()
+        record, future, submitted = self._next()
         try:
-            result = await asyncio.wrap_future(self.executor.submit(record.plan))
+            result = await asyncio.wrap_future(future)
         except StepLostError:
             return self._lost(record)
-        return self._apply(record, result, started)
+        return self._apply(record, result, submitted)
 
     def stop_seq(self, seq_id: str) -> str | None:
         """A stop string ended sample ``seq_id``: end it in the core. Returns its request
@@ -131,21 +140,34 @@ class StepEngine:
         return seq.request.request_id if seq.request.finished else None
 
     def on_worker_lost(self) -> list[Request]:
-        """A worker was lost between steps: re-queue (nothing was in flight)."""
+        """A worker was lost while it owed no step: re-queue. Results not applied yet
+        are dropped with the device cache they describe."""
+        self.pending.clear()
         return self.core.on_worker_lost()
 
     # -- the parts ----------------------------------------------------------------------
 
-    def _plan(self) -> StepRecord:
-        started = time.perf_counter()
-        plan = self.core.schedule()
-        record = StepRecord(plan=plan, schedule_s=time.perf_counter() - started)
-        self._check("planning", plan.step)
-        return record
+    def _next(self) -> tuple[StepRecord, Future[StepResult], float]:
+        """Fill the pipeline; the oldest submitted step."""
+        core, pending = self.core, self.pending
+        if pending and _failed(pending[0][1]):
+            return pending.popleft()  # lost: nothing is planned on top of it
+        while not pending or (
+            not _failed(pending[-1][1]) and core.can_plan_ahead() and core.has_work()
+        ):
+            started = time.perf_counter()
+            plan = core.schedule()
+            if plan is None:
+                break  # nothing to plan until a result is back
+            record = StepRecord(plan=plan, schedule_s=time.perf_counter() - started)
+            self._check("planning", plan.step)
+            pending.append((record, self.executor.submit(plan), time.perf_counter()))
+        return pending.popleft()
 
     def _apply(self, record: StepRecord, result: StepResult, submitted: float) -> StepRecord:
         started = time.perf_counter()
-        record.execute_s = started - submitted
+        record.execute_s = started - max(submitted, self._last_result)
+        self._last_result = started
         outcome = self.core.update(result)
         record.update_s = time.perf_counter() - started
         record.result = result
@@ -168,6 +190,7 @@ class StepEngine:
         return record
 
     def _lost(self, record: StepRecord) -> StepRecord:
+        self.pending.clear()  # the steps submitted after it are lost with it
         record.quarantined = self.core.on_worker_lost()
         self._check("a lost step", record.plan.step)
         return record
@@ -175,3 +198,7 @@ class StepEngine:
     def _check(self, after: str, step: int) -> None:
         if self.check_invariants and (problems := check_invariants(self.core)):
             raise AssertionError(f"step {step}, after {after}: " + "; ".join(problems))
+
+
+def _failed(future: Future[StepResult]) -> bool:
+    return future.done() and future.exception() is not None

@@ -1,7 +1,8 @@
 """What one step of the scheduler core produces besides the plan: the record of its
 decisions (:class:`StepReport`), of what an update changed (:class:`UpdateOutcome`),
-the plan under construction (:class:`StepBuilder`), and the error for a result that
-does not answer its plan."""
+the plan under construction (:class:`StepBuilder`), a planned step waiting for its
+result (:class:`InflightStep`), and the error for a result that does not answer its
+plan."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ class StepBuilder:
     """The parts of the plan under construction."""
 
     num_scheduled: dict[str, int] = field(default_factory=dict)
-    inflight: list[tuple[Sequence, int]] = field(default_factory=list)
+    scheduled: list[Sequence] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)
+    """Scheduled sequences that sample a token (their last scheduled token is the last
+    one they have, known or a placeholder)."""
     new_seqs: list[NewSeq] = field(default_factory=list)
     block_updates: list[BlockUpdate] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -63,7 +67,8 @@ class StepBuilder:
         """Schedule ``num_new`` tokens of ``seq``, whose block table just grew by
         ``appended`` and, on a copy-on-write, had entry ``cow[0]`` copied from block
         ``cow[1]`` to ``cow[2]``: full data for a sequence the workers do not hold,
-        block-table changes for one they do."""
+        block-table changes for one they do. The tokens count as computed from here on;
+        one that reaches the end samples, and holds a placeholder until its result."""
         seq_id = seq.seq_id
         if cow is not None:
             self.copies.append((cow[1], cow[2]))
@@ -90,9 +95,13 @@ class StepBuilder:
                 )
             )
         self.num_scheduled[seq_id] = num_new
-        self.inflight.append((seq, num_new))
-        if seq.pending_forks and seq.num_computed_tokens + num_new == seq.num_tokens:
-            self.num_samples[seq_id] = 1 + seq.pending_forks
+        self.scheduled.append(seq)
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == len(seq.token_ids) + seq.num_placeholders:
+            seq.num_placeholders += 1
+            self.sampling.append(seq)
+            if seq.pending_forks:
+                self.num_samples[seq_id] = 1 + seq.pending_forks
 
     def plan(self, step: int, freed_seq_ids: list[str], *, reset: bool) -> BatchPlan:
         return BatchPlan(
@@ -107,3 +116,18 @@ class StepBuilder:
             copies=self.copies,
             num_samples=self.num_samples,
         )
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A planned step whose result has not been applied yet."""
+
+    step: int
+    scheduled: list[Sequence]
+    sampling: list[Sequence]
+    forks: bool
+    """Whether it samples the forks of an n>1 request (nothing is planned past it)."""
+    cpu_release: list[int] = field(default_factory=list)
+    """CPU blocks of its swap-ins, released when its result arrives."""
+    swapped_out: list[Sequence] = field(default_factory=list)
+    """Sequences whose swap-out copies ride on it."""

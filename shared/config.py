@@ -128,6 +128,13 @@ class SchedulerConfig(Settings, frozen=True):
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share KV blocks of identical prompt prefixes across requests.")
     ] = True
+    overlap_scheduling: Annotated[
+        bool,
+        Meta(
+            description="Plan each step while the workers run the one before (a token "
+            "not back yet is a placeholder they fill in); off = wait for each result."
+        ),
+    ] = True
     swap_bandwidth_gbps: Annotated[
         float,
         Meta(

@@ -46,6 +46,7 @@ def test_defaults_are_valid_and_match_the_spec() -> None:
     assert cfg.max_preemptions == 8
     assert cfg.max_waiting_requests == 4096
     assert cfg.enable_prefix_caching is True
+    assert cfg.overlap_scheduling is True
     assert cfg.swap_bandwidth_gbps == 16.0
     assert cfg.prefill_tokens_per_s == 20000.0
     assert cfg.swap_overhead_ms == 0.5
@@ -101,6 +102,8 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("max_waiting_requests", 0),
     ("enable_prefix_caching", 1),
     ("enable_prefix_caching", "true"),
+    ("overlap_scheduling", 0),
+    ("overlap_scheduling", "on"),
     ("swap_bandwidth_gbps", 0.0),
     ("swap_bandwidth_gbps", math.nan),
     ("prefill_tokens_per_s", -1.0),
@@ -425,6 +428,7 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         max_preemptions=1,
         max_waiting_requests=9,
         enable_prefix_caching=False,
+        overlap_scheduling=False,
         swap_bandwidth_gbps=1e20,
         prefill_tokens_per_s=0.3,
         swap_overhead_ms=0.0,

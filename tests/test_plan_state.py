@@ -180,6 +180,7 @@ def test_a_surviving_worker_gets_a_reset_plan_after_another_is_lost(
         max_num_batched_tokens=16,
         max_model_len=64,
         watermark=0.0,
+        overlap_scheduling=False,
     )
     model = FakeModel()
     sched = Scheduler(cfg, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1)
@@ -203,7 +204,11 @@ def test_a_surviving_worker_gets_a_reset_plan_after_another_is_lost(
 
 def test_the_survivor_finishes_every_request_exactly() -> None:
     cfg = SchedulerConfig(
-        block_size=BS, num_gpu_blocks=32, max_num_batched_tokens=16, max_model_len=64
+        block_size=BS,
+        num_gpu_blocks=32,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        overlap_scheduling=False,  # the core is called directly between engine steps
     )
     model = FakeModel()
     sched = Scheduler(cfg, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1)

@@ -85,24 +85,35 @@ SETTINGS = settings(
 
 
 @SETTINGS
-@given(cfg=configs(), trace=traces())
-def test_random_traces_end_correctly(cfg: SchedulerConfig, trace: list[TraceRequest]) -> None:
-    _run_and_check(cfg, trace)
+@given(cfg=configs(), trace=traces(), overlap=st.booleans())
+def test_random_traces_end_correctly(
+    cfg: SchedulerConfig, trace: list[TraceRequest], overlap: bool
+) -> None:
+    _run_and_check(cfg, trace, overlap)
 
 
 @SETTINGS
-@given(cfg=configs(pool_tokens=(40, 56)), trace=traces(min_count=6, max_arrival=1))
-def test_tiny_pools_force_preemption(cfg: SchedulerConfig, trace: list[TraceRequest]) -> None:
-    _run_and_check(cfg, trace)
+@given(
+    cfg=configs(pool_tokens=(40, 56)),
+    trace=traces(min_count=6, max_arrival=1),
+    overlap=st.booleans(),
+)
+def test_tiny_pools_force_preemption(
+    cfg: SchedulerConfig, trace: list[TraceRequest], overlap: bool
+) -> None:
+    _run_and_check(cfg, trace, overlap)
 
 
-def _run_and_check(cfg: SchedulerConfig, trace: list[TraceRequest]) -> None:
-    sim = Simulation(trace, cfg, verify_kv=True, check_invariants=True)
+def _run_and_check(cfg: SchedulerConfig, trace: list[TraceRequest], overlap: bool) -> None:
+    """``overlap``: the next step is planned before each result is applied, with
+    placeholders (the fake worker fills them in, as a real one does)."""
+    sim = Simulation(trace, cfg, verify_kv=True, check_invariants=True, overlap=overlap)
     records: list[dict] = []
     result = sim.run(records.append)
     for mode, count in result.summary["preemptions"].items():
         event(f"{mode} preemptions: {'some' if count else 'none'}")
     event(f"prefix hits: {any(any(r['prefix_hit_tokens'].values()) for r in records)}")
+    event(f"overlap: {overlap}")
 
     for record in records:
         assert sum(record["scheduled"].values()) <= cfg.max_num_batched_tokens

@@ -34,6 +34,9 @@ class Harness:
             "max_num_batched_tokens": 64,
             "max_model_len": 128,
             "watermark": 0.0,
+            # Step-exact scenarios: each step's result is applied before the next plan
+            # (tests/test_overlap.py covers planning ahead).
+            "overlap_scheduling": False,
         }
         defaults.update(config)
         self.cfg = SchedulerConfig(**defaults)  # type: ignore[arg-type]
@@ -93,7 +96,7 @@ class Harness:
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
-            if not self.sched.has_work():
+            if not self.engine.has_work():
                 return
             self.step()
         raise AssertionError(f"no end within {max_steps} steps")

@@ -21,6 +21,7 @@ CFG = SchedulerConfig(
     max_model_len=64,
     preemption_mode="swap",
     watermark=0.0,
+    overlap_scheduling=False,  # step-exact: each test step is applied before the next
 )
 
 
