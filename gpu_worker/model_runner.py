@@ -50,21 +50,28 @@ class StepInputs:
         ``seq_lens`` and ``query_start_loc`` (int32)."""
         num_seqs = len(self.tables)
         query_start_loc = np.array(self.query_start_loc, dtype=np.int64)
-        num_tokens = np.diff(query_start_loc)
         starts = np.array(self.starts, dtype=np.int64)
+        num_tokens = query_start_loc[1:] - query_start_loc[:-1]
         total = int(query_start_loc[-1])
-        positions = np.arange(total, dtype=np.int64) + np.repeat(
-            starts - query_start_loc[:-1], num_tokens
-        )
-        table_lens = np.fromiter(map(len, self.tables), dtype=np.int64, count=num_seqs)
-        width = max(int(table_lens.max()), 1)
-        tables = np.zeros((num_seqs, width), dtype=np.int32)
-        tables[np.arange(width)[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(self.tables),
-            dtype=np.int32,
-            count=int(table_lens.sum()),
-        )
-        owner = np.repeat(np.arange(num_seqs), num_tokens)
+        if total == num_seqs and int(num_tokens.min(initial=1)) == 1:
+            positions, owner = starts, np.arange(num_seqs)  # one token each
+        else:
+            positions = np.arange(total, dtype=np.int64) + np.repeat(
+                starts - query_start_loc[:-1], num_tokens
+            )
+            owner = np.repeat(np.arange(num_seqs), num_tokens)
+        table_lens = [len(table) for table in self.tables]
+        width = max(table_lens, default=0)
+        if width and min(table_lens) == width:
+            tables = np.array(self.tables, dtype=np.int32)
+        else:
+            tables = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
+            lens = np.array(table_lens, dtype=np.int64)
+            tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(self.tables),
+                dtype=np.int32,
+                count=sum(table_lens),
+            )
         slots = tables[owner, positions // block_size].astype(np.int64) * block_size + (
             positions % block_size
         )
@@ -149,6 +156,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.state = WorkerState()
+        # Decode steps of an unchanged batch keep each layer's gathered K/V (CPU path).
+        self._reuse: attention.DecodeReuse | None = (
+            attention.DecodeReuse() if device.type == "cpu" else None
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -163,15 +174,16 @@ class ModelRunner:
         """Blocks that fit beside the weights and a forward at the full token budget."""
         probe = KVCache(self.layout, -(-max_tokens // self.block_size), self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._forward(
-            StepInputs(
-                token_ids=[0] * max_tokens,
-                starts=[0],
-                tables=[list(range(probe.num_blocks))],
-                query_start_loc=[0, max_tokens],
-            ),
-            probe,
-        )
+        with torch.inference_mode():
+            self._forward(
+                StepInputs(
+                    token_ids=[0] * max_tokens,
+                    starts=[0],
+                    tables=[list(range(probe.num_blocks))],
+                    query_start_loc=[0, max_tokens],
+                ),
+                probe,
+            )
         peak = torch.cuda.max_memory_allocated(self.device)
         del probe
         torch.cuda.empty_cache()
@@ -185,8 +197,10 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def _forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
-        """Hidden states of every packed token."""
+    def _forward(
+        self, inputs: StepInputs, cache: KVCache, reuse: attention.DecodeReuse | None = None
+    ) -> torch.Tensor:
+        """Hidden states of every packed token (under inference mode)."""
         device = self.device
         host = {k: torch.from_numpy(v) for k, v in inputs.host_arrays(self.block_size).items()}
         if device.type != "cpu":
@@ -197,16 +211,17 @@ class ModelRunner:
             seq_lens=host["seq_lens"],
             query_start_loc=host["query_start_loc"],
             layer_caches=cache.layer_caches,
+            reuse=reuse,
         )
-        with torch.inference_mode():
-            out = self.model.model(
-                input_ids=torch.tensor([inputs.token_ids], dtype=torch.int64, device=device),
-                position_ids=host["positions"][None],
-                use_cache=False,
-                expeditor_meta=meta,
-            )
+        out = self.model.model(
+            input_ids=torch.tensor([inputs.token_ids], dtype=torch.int64, device=device),
+            position_ids=host["positions"][None],
+            use_cache=False,
+            expeditor_meta=meta,
+        )
         return out.last_hidden_state[0]
 
+    @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         # Timed parts: swap, forward, sample; the rest of total (plan state, inputs) is
         # the step's preparation.
@@ -221,7 +236,12 @@ class ModelRunner:
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
         prepared = time.perf_counter()
-        hidden = self._forward(inputs, self.kv_cache)
+        try:
+            hidden = self._forward(inputs, self.kv_cache, self._reuse)
+        except BaseException:
+            if self._reuse is not None:  # a layer may have stopped half way
+                self._reuse.plan = None
+            raise
         forwarded = time.perf_counter()
         sampled, logprobs = self._sample(batch, inputs, hidden)
         self.state.append_sampled(sampled)
@@ -254,6 +274,43 @@ class ModelRunner:
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
         """Draw every due token: one row per sample, from its sequence's last position."""
         rows: list[int] = []
+        owners: list[str] = []
+        ends = inputs.query_start_loc
+        for index, item in enumerate(batch):
+            if not item.num_samples:
+                continue
+            seq = item.seq
+            p = seq.sampling
+            if (
+                item.num_samples != 1
+                or p.seed is not None
+                or p.logprobs is not None
+                or (p.temperature != 0 and p.top_k != 1)
+                or seq.num_output_tokens < p.min_tokens
+            ):
+                return self._sample_rows(batch, inputs, hidden)
+            rows.append(ends[index + 1] - 1)
+            owners.append(seq.seq_id)
+        if not rows:
+            return {}, None
+        # All greedy, one sample each, nothing masked, no logprobs: the sampler's own
+        # fast path (one argmax, one transfer), without building its per-row lists.
+        logits = self.model.lm_head(self._rows(hidden, rows))
+        tokens: list[int] = logits.float().argmax(dim=-1).tolist()
+        return {seq_id: [token] for seq_id, token in zip(owners, tokens, strict=True)}, None
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]``; ``hidden`` itself when ``rows`` are all of its rows (distinct,
+        increasing: every sequence samples from its last token)."""
+        if len(rows) == hidden.shape[0]:
+            return hidden
+        return hidden.index_select(0, torch.tensor(rows, device=self.device))
+
+    def _sample_rows(
+        self, batch: list[ScheduledSeq], inputs: StepInputs, hidden: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
+        """:meth:`_sample` through the sampler: any parameters, seeds, masks, logprobs."""
+        rows: list[int] = []
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
         masked: list[list[int]] = []
@@ -283,8 +340,7 @@ class ModelRunner:
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if not rows:
             return sampled, logprobs
-        with torch.inference_mode():
-            logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         out = self.sampler.sample(logits, params, generators, masked)
         for row, seq_id in enumerate(owners):
             sampled.setdefault(seq_id, []).append(out.token_ids[row])

@@ -235,3 +235,114 @@ def test_scale_defaults_to_head_dim() -> None:
         1 / math.sqrt(16),
     )
     torch.testing.assert_close(out[0], ref, atol=1e-6, rtol=1e-6)
+
+
+def decode_steps(
+    lens: list[int], steps: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """A NaN cache holding each sequence's first ``len - 1`` K/V, block tables long
+    enough for ``steps`` more tokens (garbage past them), and each table as a list."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-(n + steps) // block_size) for n in lens]
+    num_blocks = sum(needed) + 4
+    kv = torch.full((num_blocks, NUM_LAYERS, 2, block_size, 2, 16), float("nan"))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(lens), max(needed) + 1), 10**6, dtype=torch.int32)
+    lists: list[list[int]] = []
+    used = 0
+    for s, n in enumerate(lens):
+        ids = perm[used : used + needed[s]]
+        used += needed[s]
+        tables[s, : needed[s]] = torch.tensor(ids, dtype=torch.int32)
+        lists.append(ids)
+        cached = torch.arange(n - 1)
+        blocks = torch.tensor(ids)[cached // block_size]
+        kv[blocks, :, :, cached % block_size] = torch.randn(
+            (n - 1, NUM_LAYERS, 2, 2, 16), generator=g
+        )
+    return kv, tables, lists
+
+
+def decode_meta(
+    kv: torch.Tensor,
+    tables: torch.Tensor,
+    lists: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    reuse: attention.DecodeReuse | None,
+) -> attention.StepMetadata:
+    slots = [lists[s][(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for s, n in enumerate(lens)]  # fmt: skip
+    return attention.StepMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        layer_caches=[(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(NUM_LAYERS)],
+        reuse=reuse,
+    )
+
+
+@pytest.mark.parametrize("lens", [[30, 17, 5, 64, 100, 33], [16, 1, 200, 201, 48]])
+def test_decode_steps_reuse_the_gathered_kv(lens: list[int]) -> None:
+    """Steps of the same decodes, one token further each (blocks appended on the way):
+    the layers keep what they gathered and add the new rows; every step matches the
+    kernels on a cache of its own. A replaced block, or another batch, gathers again."""
+    block_size, steps = 4, 10
+    kv, tables, lists = decode_steps(lens, steps + 2, block_size, seed=len(lens))
+    expected_kv = kv.clone()
+    reuse = attention.DecodeReuse()
+    g = torch.Generator().manual_seed(7)
+    reused = 0
+    for step in range(steps + 2):
+        current = [n + step for n in lens]
+        if step == steps:  # copy-on-write: sequence 0's first block is another now
+            spare = int(kv.shape[0]) - 1
+            kv[spare] = kv[lists[0][0]]
+            expected_kv[spare] = expected_kv[lists[0][0]]
+            lists[0][0] = spare
+            tables[0, 0] = spare
+        if step == steps + 1:  # one sequence fewer
+            current, tables, lists = current[1:], tables[1:], lists[1:]
+        meta = decode_meta(kv, tables, lists, current, block_size, reuse)
+        expect_meta = decode_meta(expected_kv, tables, lists, current, block_size, None)
+        before = reuse.plan
+        for layer in range(NUM_LAYERS):
+            qkv = torch.randn((3, 8, len(current), 16), generator=g)
+            query, key, value = qkv[None, 0], qkv[None, 1, :2], qkv[None, 2, :2]
+            with torch.inference_mode():
+                out, _ = attention.expeditor_attention(
+                    SimpleNamespace(layer_idx=layer),  # type: ignore[arg-type]
+                    query, key, value, None, scaling=0.25, expeditor_meta=meta,
+                )  # fmt: skip
+            key_cache, value_cache = expected_kv[:, layer, 0], expected_kv[:, layer, 1]
+            store_kv_ref(
+                key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
+                expect_meta.slot_mapping,
+            )  # fmt: skip
+            ref = paged_attention_cpu(
+                query[0].transpose(0, 1), key_cache, value_cache, tables,
+                expect_meta.seq_lens, expect_meta.query_start_loc, 0.25,
+            )  # fmt: skip
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out[0], ref, atol=1e-6, rtol=1e-6)
+        was_reused = before is not None and meta.cpu_plan is before
+        assert was_reused == all(grp.new_rows is not None for grp in meta.cpu_plan.groups)
+        if step >= steps:
+            assert not was_reused
+        reused += was_reused
+    assert torch.equal(kv.nan_to_num(7.0), expected_kv.nan_to_num(7.0))
+    assert reused >= steps // 2
+
+
+def test_steps_without_reuse_state_gather_every_time() -> None:
+    kv, tables, lists = decode_steps([20, 9], 2, 4, seed=3)
+    meta = decode_meta(kv, tables, lists, [20, 9], 4, None)
+    qkv = torch.randn((3, 4, 2, 16))
+    with torch.inference_mode():
+        attention.expeditor_attention(
+            SimpleNamespace(layer_idx=0),  # type: ignore[arg-type]
+            qkv[None, 0], qkv[None, 1, :2], qkv[None, 2, :2], None, expeditor_meta=meta,
+        )  # fmt: skip
+    assert meta.cpu_plan is not None
+    assert all(g.new_rows is None and len(g.buffers) == 1 for g in meta.cpu_plan.groups)

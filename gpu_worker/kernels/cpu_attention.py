@@ -82,29 +82,38 @@ SCRATCH = _Scratch()
 
 
 def group_sequences(
-    seqs: list[int], q_lens: list[int], lens: list[int], kv_row: int, q_row: int
+    seqs: list[int],
+    q_lens: list[int],
+    lens: list[int],
+    kv_row: int,
+    q_row: int,
+    waste: float = 0.0,
 ) -> list[list[int]]:
     """Sequences by decreasing (query rows x keys), cut greedily into groups whose padding
-    stays within :data:`_PAD_SLACK` and whose copies within :data:`_GROUP_ELEMENTS`.
-    Decodes (one query row) fall together, shortest contexts apart from the longest.
+    stays within :data:`_PAD_SLACK` (or within ``waste`` padded query rows x keys over
+    the real ones, when that is more: where a group costs more than its padding) and
+    whose copies within :data:`_GROUP_ELEMENTS`. Decodes (one query row) fall together,
+    shortest contexts apart from the longest.
     """
-    order = sorted(seqs, key=lambda s: q_lens[s] * lens[s], reverse=True)
+    areas = [q * n for q, n in zip(q_lens, lens, strict=True)]
+    order = sorted(seqs, key=areas.__getitem__, reverse=True)
     groups: list[list[int]] = []
     group: list[int] = []
     max_q = max_len = area = 0
     for s in order:
-        q = max(max_q, q_lens[s])
-        keys = max(max_len, lens[s])
+        q = q_lens[s] if q_lens[s] > max_q else max_q
+        keys = lens[s] if lens[s] > max_len else max_len
         n = len(group) + 1
-        fits = (
-            n * q * keys <= _PAD_SLACK * (area + q_lens[s] * lens[s])
-            and n * max(keys * kv_row, q * q_row) <= _GROUP_ELEMENTS
+        padded = n * q * keys
+        total = area + areas[s]
+        fits = (padded <= _PAD_SLACK * total or padded <= total + waste) and (
+            n * keys * kv_row <= _GROUP_ELEMENTS and n * q * q_row <= _GROUP_ELEMENTS
         )
         if group and not fits:
             groups.append(group)
-            group, q, keys, area = [], q_lens[s], lens[s], 0
+            group, q, keys, total = [], q_lens[s], lens[s], areas[s]
         group.append(s)
-        max_q, max_len, area = q, keys, area + q_lens[s] * lens[s]
+        max_q, max_len, area = q, keys, total
     if group:
         groups.append(group)
     return groups
