@@ -3,9 +3,12 @@
 Protocol (one DEALER socket): send WorkerJoin; receive WorkerSetup; load the model and
 size the KV cache; send WorkerHello; then for each BatchPlan send its StepResult.
 AttachSwapPool maps the scheduler's swap pool; Shutdown leaves with status 0. The model
-load and every plan run on an executor thread while this thread keeps sending
-heartbeats, so a slow load or a long step is never mistaken for a dead worker. A
-worker that cannot serve sends WorkerError and exits non-zero.
+load and every plan run on one step thread, in the order they arrived, while this thread
+keeps sending heartbeats, so a slow load or a long step is never mistaken for a dead
+worker. A plan that arrives while another runs (overlapped scheduling) is queued to the
+step thread at once, which starts it the moment the step before ends; this thread sends
+each result as it is done (a pipe wakes it). A worker that cannot serve sends
+WorkerError and exits non-zero.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import FrameType
+from typing import Any
 
 import msgspec
 import zmq
@@ -89,6 +95,9 @@ class WorkerDaemon:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.stop = False
         self.last_beat = 0.0
+        self.done_r, self.done_w = os.pipe()
+        """Written by the step thread when a task ends: wakes this thread's poll."""
+        os.set_blocking(self.done_r, False)
 
     def _send(self, message: msgspec.Struct) -> None:
         self.sock.send(encode(message))  # type: ignore[arg-type]
@@ -125,6 +134,8 @@ class WorkerDaemon:
                 self.pool.close()
             self.sock.close()
             self.ctx.term()
+            os.close(self.done_r)
+            os.close(self.done_w)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop = True
@@ -168,34 +179,50 @@ class WorkerDaemon:
             return self._fail(f"{type(exc).__name__}: {exc}")
         self._send(hello)
         log.info("rank %d ready on %s: %d KV blocks", self.rank, self.device, hello.num_gpu_blocks)
-        pending: Future[StepResult] | None = None
+        return self._serve_plans()
+
+    def _serve_plans(self) -> int:
+        """Queue every plan to the step thread as it arrives; send results in order."""
+        pending: deque[Future[StepResult | None]] = deque()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.done_r, zmq.POLLIN)
         while not self.stop:
             self._beat()
-            if pending is not None and pending.done():
-                future, pending = pending, None
+            while pending and pending[0].done():
                 try:
-                    self._send(future.result())
+                    result = pending.popleft().result()
                 except Exception as exc:
                     return self._fail(f"step failed: {type(exc).__name__}: {exc}")
-            if pending is not None:
-                # Wake the moment the step ends, or in time for the next heartbeat.
-                wait([pending], timeout=HEARTBEAT_S)
-                continue
-            try:
-                message = self._recv(0.1)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                return self._fail(f"malformed control frame: {exc}")
-            if message is None:
-                continue
-            if isinstance(message, BatchPlan):
-                assert self.runner is not None
-                pending = self.executor.submit(self.runner.execute, message)
-            elif isinstance(message, AttachSwapPool):
-                self._attach(message.name)
-            elif isinstance(message, Shutdown):
-                log.info("rank %d: shutdown", self.rank)
-                return 0
+                if result is not None:
+                    self._send(result)
+            # Wake when a frame or a finished step is ready, or in time for a heartbeat.
+            events = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+            if self.done_r in events:
+                try:
+                    os.read(self.done_r, 4096)
+                except BlockingIOError:
+                    pass
+            while self.sock.poll(0):
+                try:
+                    message = control_decoder.decode(self.sock.recv())
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    return self._fail(f"malformed control frame: {exc}")
+                if isinstance(message, BatchPlan):
+                    assert self.runner is not None
+                    pending.append(self._queue(self.runner.execute, message))
+                elif isinstance(message, AttachSwapPool):
+                    pending.append(self._queue(self._attach, message.name))
+                elif isinstance(message, Shutdown):
+                    log.info("rank %d: shutdown", self.rank)
+                    return 0
         return 0
+
+    def _queue(self, task: Callable[[Any], Any], arg: object) -> Future[Any]:
+        """Run ``task(arg)`` on the step thread after what is queued there."""
+        future = self.executor.submit(task, arg)
+        future.add_done_callback(lambda _: os.write(self.done_w, b"."))
+        return future
 
     def _setup(self, setup: WorkerSetup) -> WorkerHello:
         model_dir = setup.model

@@ -367,6 +367,11 @@ class SchedulerDaemon:
 def run_scheduler(server: ServerConfig, config: SchedulerConfig) -> int:
     """Run the daemon until SIGINT/SIGTERM; the exit status for the process."""
 
+    # The output task decodes each step's windows in one decode_batch call; the Rust
+    # tokenizer's thread pool would spread it over every core, where the workers run
+    # (measured on 2 cores: 3.0 ms of output processing per step with it, 0.8 without).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
     async def main() -> int:
         daemon = SchedulerDaemon(server, config)
         return await daemon.run()
