@@ -5,12 +5,17 @@ order (least recently freed first). A free block may still hold a cached prefix:
 reusable by a prefix hit until allocation evicts it from the front of the queue. So
 "free" always includes "evictable cached", and an allocation never fails while the
 free queue has enough blocks.
+
+The free queue is a deque of block ids. Taking a block out of its middle (a prefix hit
+on a free cached block) only marks that entry stale; allocation skips stale entries.
+Every operation is O(1) (compaction is amortised), and the queue is a compact array,
+not a linked node per block, which keeps the pool's memory footprint small.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(block holding the previous block of the prefix, this block's tokens).
@@ -42,27 +47,72 @@ class DeviceBlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}
         """Content hash -> block holding that content."""
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_shared = 0
+        """Blocks with more than one reference: while none is, no copy-on-write is due."""
+        self._free: deque[int] = deque(range(num_blocks))
+        """Free blocks, least recently freed first, plus stale entries (see ``_stale``)."""
+        self._is_free = [True] * num_blocks
+        self._stale = [0] * num_blocks
+        """Per block, entries of ``_free`` left behind when it was taken out of the middle:
+        always older than its live entry, so the first ones met from the front."""
+        self._num_stale = 0
+        self.free_queue = FreeQueue(self)
+        """The free queue as an ordered collection (len, in, iteration)."""
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self._free) - self._num_stale
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        return sum(1 for b in self._iter_free() if self.block_hash[b] is not None)
+
+    def _iter_free(self) -> Iterator[int]:
+        """Free blocks in eviction order."""
+        pending = {b: n for b, n in enumerate(self._stale) if n} if self._num_stale else {}
+        for block in self._free:
+            if pending.get(block):
+                pending[block] -= 1
+            else:
+                yield block
+
+    def _push_free(self, block: int) -> None:
+        if not self._is_free[block]:
+            self._is_free[block] = True
+            self._free.append(block)
+
+    def _take_free(self, block: int) -> None:
+        """Take a free block out of the middle of the queue."""
+        if not self._is_free[block]:
+            raise KeyError(block)
+        self._is_free[block] = False
+        self._stale[block] += 1
+        self._num_stale += 1
+        if self._num_stale > self.num_blocks:
+            self._free = deque(self._iter_free())
+            self._stale = [0] * self.num_blocks
+            self._num_stale = 0
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` blocks from the front of the free queue, evicting cached content."""
-        if count > len(self.free_queue):
-            raise RuntimeError(f"allocate({count}) with only {len(self.free_queue)} free blocks")
-        popitem = self.free_queue.popitem
+        if count > self.num_free:
+            raise RuntimeError(f"allocate({count}) with only {self.num_free} free blocks")
+        popleft = self._free.popleft
+        stale = self._stale
+        is_free = self._is_free
+        block_hash = self.block_hash
+        ref_cnt = self.ref_cnt
         blocks = []
         for _ in range(count):
-            block, _ = popitem(last=False)
-            if self.block_hash[block] is not None:
+            block = popleft()
+            while stale[block]:
+                stale[block] -= 1
+                self._num_stale -= 1
+                block = popleft()
+            is_free[block] = False
+            if block_hash[block] is not None:
                 self._uncache(block)
-            self.ref_cnt[block] = 1
+            ref_cnt[block] = 1
             blocks.append(block)
         return blocks
 
@@ -70,9 +120,12 @@ class DeviceBlockPool:
         """Add one reference to each block (a prefix hit or a fork)."""
         ref_cnt = self.ref_cnt
         for block in blocks:
-            if ref_cnt[block] == 0:
-                del self.free_queue[block]
-            ref_cnt[block] += 1
+            count = ref_cnt[block]
+            if count == 0:
+                self._take_free(block)
+            elif count == 1:
+                self.num_shared += 1
+            ref_cnt[block] = count + 1
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference; blocks reaching zero join the back of the free queue.
@@ -81,11 +134,16 @@ class DeviceBlockPool:
         prefix, which is the part other requests are likeliest to share.
         """
         ref_cnt = self.ref_cnt
-        free_queue = self.free_queue
+        append = self._free.append
+        is_free = self._is_free
         for block in blocks:
-            ref_cnt[block] -= 1
-            if ref_cnt[block] == 0:
-                free_queue[block] = None
+            count = ref_cnt[block] - 1
+            ref_cnt[block] = count
+            if count == 0:
+                is_free[block] = True
+                append(block)
+            elif count == 1:
+                self.num_shared -= 1
 
     def lookup(self, block_hash: int, key: BlockKey) -> int | None:
         """The block caching exactly this content, if any."""
@@ -124,17 +182,53 @@ class DeviceBlockPool:
         for block, (have, want) in enumerate(zip(self.ref_cnt, expected_refs, strict=True)):
             if have != want:
                 problems.append(f"device block {block}: refcount {have}, held by {want} tables")
-            if (have == 0) != (block in self.free_queue):
+            if (have == 0) != self._is_free[block]:
                 problems.append(f"device block {block}: refcount {have} but free={not have}")
+        shared = sum(1 for r in self.ref_cnt if r > 1)
+        if shared != self.num_shared:
+            problems.append(f"{shared} device blocks shared, counted {self.num_shared}")
         used = sum(1 for r in self.ref_cnt if r > 0)
-        if used + len(self.free_queue) != self.num_blocks:
+        if used + self.num_free != self.num_blocks:
             problems.append(
-                f"device blocks: {used} used + {len(self.free_queue)} free != {self.num_blocks}"
+                f"device blocks: {used} used + {self.num_free} free != {self.num_blocks}"
+            )
+        if self.num_free != sum(self._is_free):
+            problems.append(
+                f"free queue holds {self.num_free} blocks, flagged {sum(self._is_free)}"
             )
         for block_hash, block in self.cached.items():
             if self.block_hash[block] != block_hash:
                 problems.append(f"prefix cache maps {block_hash} to block {block} holding another")
         return problems
+
+
+class FreeQueue:
+    """A device pool's free queue seen as an ordered collection of block ids.
+
+    Reads (``len``, ``in``, iteration in eviction order) plus ``queue[block] = None``
+    (append) and ``del queue[block]`` (take out), as on the ``OrderedDict`` it replaces;
+    the pool's own operations use its internals directly.
+    """
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: DeviceBlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_free
+
+    def __contains__(self, block: int) -> bool:
+        return self._pool._is_free[block]
+
+    def __iter__(self) -> Iterator[int]:
+        return self._pool._iter_free()
+
+    def __setitem__(self, block: int, value: None) -> None:
+        self._pool._push_free(block)
+
+    def __delitem__(self, block: int) -> None:
+        self._pool._take_free(block)
 
 
 class CpuBlockPool:

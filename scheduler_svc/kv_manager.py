@@ -56,13 +56,26 @@ class KVCacheManager:
         """Leading full blocks of ``seq`` whose content the device cache holds."""
         if not self.enable_prefix_caching or max_blocks <= 0:
             return []
-        self._extend_hashes(seq, max_blocks)
+        # Hashes are computed as the walk reaches them (a miss usually ends it at the
+        # first block), and a key is only built to confirm a hash the cache knows.
+        hashes = seq.block_hashes
+        cached = self.pool.cached
+        block_key = self.pool.block_key
+        token_ids = seq.token_ids
+        bs = self.block_size
         hits: list[int] = []
         parent = NO_PARENT
         for index in range(max_blocks):
-            key = (parent, self._tokens(seq, index))
-            block = self.pool.lookup(seq.block_hashes[index], key)
+            tokens = None
+            if index == len(hashes):
+                tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+                hashes.append(chain_hash(hashes[index - 1] if index else 0, tokens))
+            block = cached.get(hashes[index])
             if block is None:
+                break
+            if tokens is None:
+                tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            if block_key[block] != (parent, tokens):
                 break
             hits.append(block)
             parent = block
@@ -74,19 +87,33 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         full = num_tokens // self.block_size
-        if full <= seq.num_cached_blocks:
+        start = seq.num_cached_blocks
+        if full <= start:
             return
-        self._extend_hashes(seq, full)
+        hashes = seq.block_hashes
+        if len(hashes) < start:
+            self._extend_hashes(seq, start)
         table = seq.block_table
-        block_hash = self.pool.block_hash
-        for index in range(seq.num_cached_blocks, full):
+        token_ids = seq.token_ids
+        bs = self.block_size
+        pool = self.pool
+        block_hash = pool.block_hash
+        cached = pool.cached
+        for index in range(start, full):
+            # One tuple of the block's tokens serves its chained hash and its key.
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            if index == len(hashes):
+                hashes.append(chain_hash(hashes[index - 1] if index else 0, tokens))
             parent = table[index - 1] if index else NO_PARENT
             if index and block_hash[parent] is None:
                 # The prefix sits in a private duplicate of cached content: a key naming
                 # it could never be reached by a lookup, so the rest stays private too.
+                self._extend_hashes(seq, full)
                 break
-            key = (parent, self._tokens(seq, index))
-            self.pool.cache(table[index], seq.block_hashes[index], key)
+            block = table[index]
+            content_hash = hashes[index]
+            if content_hash not in cached and block_hash[block] is None:
+                pool.cache(block, content_hash, (parent, tokens))
         seq.num_cached_blocks = full
 
     # -- admission and growth -----------------------------------------------------------
@@ -112,13 +139,16 @@ class KVCacheManager:
 
     def _needs_cow(self, seq: Sequence) -> bool:
         computed = seq.num_computed_tokens
-        return bool(computed % self.block_size) and (
-            self.pool.ref_cnt[seq.block_table[computed // self.block_size]] > 1
+        pool = self.pool
+        return bool(computed % self.block_size and pool.num_shared) and (
+            pool.ref_cnt[seq.block_table[computed // self.block_size]] > 1
         )
 
     def can_append(self, seq: Sequence, num_new: int, reserve: int = 0) -> bool:
-        need = self.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        if self._needs_cow(seq):
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        need = -(-(computed + num_new) // bs) - len(seq.block_table)
+        if computed % bs and self.pool.num_shared and self._needs_cow(seq):
             need += 1
         return need + reserve <= self.pool.num_free
 
@@ -129,21 +159,27 @@ class KVCacheManager:
         copy-on-write that gives ``seq`` its own copy.
         """
         table = seq.block_table
+        pool = self.pool
         cow = None
-        if self._needs_cow(seq):
+        if pool.num_shared and self._needs_cow(seq):
             index = seq.num_computed_tokens // self.block_size
             shared = table[index]
-            (private,) = self.pool.allocate(1)
-            self.pool.release((shared,))
+            (private,) = pool.allocate(1)
+            pool.release((shared,))
             table[index] = private
             cow = (index, shared, private)
-        need = self.blocks_for(seq.num_computed_tokens + num_new) - len(table)
-        appended = self.pool.allocate(need) if need > 0 else []
-        table.extend(appended)
+        end = seq.num_computed_tokens + num_new
+        need = -(-end // self.block_size) - len(table)
+        if need > 0:
+            appended = pool.allocate(need)
+            table.extend(appended)
+        else:
+            appended = []
         if self.enable_prefix_caching:
             # A block is keyed by its tokens: one ending in a placeholder waits for them.
-            known = min(seq.num_computed_tokens + num_new, len(seq.token_ids))
-            self._cache_full_blocks(seq, known)
+            known = min(end, len(seq.token_ids))
+            if known // self.block_size > seq.num_cached_blocks:
+                self._cache_full_blocks(seq, known)
         return appended, cow
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -15,6 +15,8 @@ from ipc.schema import ErrorCode, SeqStatus
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
+_NO_STOP_IDS: frozenset[int] = frozenset()
+
 QueueKey = tuple[float, int, int] | tuple[float, int, int, int]
 """``(priority term, arrival number, sample index)``, or with fair share ``(priority
 term, round, arrival number, sample index)``; one scheduler uses one shape only. See
@@ -42,6 +44,7 @@ class Request:
         "fair_round",
         "finish_reason",
         "first_scheduled_step",
+        "max_num_tokens",
         "max_output_tokens",
         "num_failed_steps",
         "num_unfinished",
@@ -50,6 +53,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "seqs",
+        "stop_ids",
     )
 
     def __init__(
@@ -63,6 +67,8 @@ class Request:
         arrival_seq: int,
         max_output_tokens: int,
         client: str = "",
+        eos_token_ids: frozenset[int] = _NO_STOP_IDS,
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -81,6 +87,18 @@ class Request:
         """Steps holding this request that a worker died in (see Scheduler.on_worker_lost)."""
         self.first_scheduled_step: int | None = None
         self.finish_reason: FinishReason | None = None
+        # The stop rules in the form the per-token check reads (see Sequence.stop_ids);
+        # the common case shares the scheduler's EOS set instead of building a new one.
+        stop_ids = eos_token_ids if not params.ignore_eos else _NO_STOP_IDS
+        if params.stop_token_ids:
+            stop_ids = stop_ids | frozenset(params.stop_token_ids)
+        self.stop_ids = stop_ids
+        """Tokens that end a sample once it has more than ``min_tokens`` outputs."""
+        max_num_tokens = len(prompt_token_ids) + max_output_tokens
+        if max_model_len is not None:
+            max_num_tokens = min(max_num_tokens, max_model_len)
+        self.max_num_tokens = max_num_tokens
+        """Length (prompt + output) at which a sample ends: max tokens or max_model_len."""
 
     @property
     def finished(self) -> bool:
@@ -90,27 +108,41 @@ class Request:
         return self.request_id if self.params.n == 1 else f"{self.request_id}/{sample_index}"
 
 
-class Sequence:
+class _SequenceHotFields:
+    """The fields a decode step reads for every running sequence.
+
+    CPython lays out a base class's slots before a subclass's (each group sorted by
+    name), so keeping these here puts them next to the object header: a step touches
+    two cache lines of each sequence instead of its whole object.
+    """
+
+    __slots__ = (
+        "block_table",
+        "max_num_tokens",
+        "num_computed_tokens",
+        "num_placeholders",
+        "on_worker",
+        "pending_forks",
+        "seq_id",
+        "status",
+        "stop_ids",
+        "token_ids",
+    )
+
+
+class Sequence(_SequenceHotFields):
     """One sample of a request: its tokens, its progress and where its K/V live."""
 
     __slots__ = (
         "block_hashes",
-        "block_table",
         "cpu_block_table",
         "finish_reason",
         "key",
         "num_cached_blocks",
-        "num_computed_tokens",
-        "num_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
-        "on_worker",
-        "pending_forks",
         "request",
         "sample_index",
-        "seq_id",
-        "status",
-        "token_ids",
     )
 
     def __init__(
@@ -145,6 +177,10 @@ class Sequence:
         self.on_worker = False
         """Whether the workers hold state for it (else the next plan sends it in full)."""
         self.finish_reason: FinishReason | None = None
+        self.stop_ids = request.stop_ids
+        """Tokens that end it past ``min_tokens`` outputs (EOS unless ignored, stop ids)."""
+        self.max_num_tokens = request.max_num_tokens
+        """Its length limit: prompt + max output tokens, at most max_model_len."""
 
     @property
     def num_tokens(self) -> int:

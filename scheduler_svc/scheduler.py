@@ -195,6 +195,8 @@ class Scheduler:
             arrival_seq=self._arrivals,
             max_output_tokens=max_output,
             client=client,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
         request.fair_round = self.fair_share.arrive(self.order.priority_term(request), client)
         return request
@@ -242,7 +244,8 @@ class Scheduler:
         preempted_here = False
         growth_reserve = 0
         bs = self.block_size
-        ref_cnt = kv.pool.ref_cnt
+        pool = kv.pool
+        ref_cnt = pool.ref_cnt
         num_scheduled = step.num_scheduled
         scheduled = step.scheduled
         sampling = step.sampling
@@ -261,7 +264,7 @@ class Scheduler:
                 and (computed + 1) % bs
                 and seq.on_worker
                 and not seq.pending_forks
-                and ref_cnt[seq.block_table[computed // bs]] == 1
+                and (not pool.num_shared or ref_cnt[seq.block_table[computed // bs]] == 1)
             ):
                 # A decode inside its own partial block: no block, copy or cache change.
                 num_scheduled[seq.seq_id] = 1
@@ -348,10 +351,8 @@ class Scheduler:
     def _result_needed(self, seq: Sequence) -> bool:
         """Whether ``seq``, with tokens in flight, must wait for them before it is planned
         again: it forks when they are back, or reaches its length limit with them."""
-        num_tokens = len(seq.token_ids) + seq.num_placeholders
         return bool(seq.pending_forks) or (
-            num_tokens - seq.num_prompt_tokens >= seq.request.max_output_tokens
-            or num_tokens >= self.max_model_len
+            len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
         )
 
     def _chunk(self, num_new: int, budget: int) -> int:
@@ -459,7 +460,7 @@ class Scheduler:
                     f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
                 )
             # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
-            entries = logprobs.get(seq.seq_id)
+            entries = logprobs.get(seq.seq_id) if logprobs else None
             if seq.pending_forks:
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
@@ -493,15 +494,14 @@ class Scheduler:
         token_ids = seq.token_ids
         token_ids.append(token)
         outcome.advanced.append(seq)
-        request = seq.request
-        params = request.params
-        num_output = len(token_ids) - seq.num_prompt_tokens
-        if num_output > params.min_tokens and (
-            (token in self.eos_token_ids and not params.ignore_eos)
-            or token in params.stop_token_ids
+        # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
+        # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.
+        if (
+            token in seq.stop_ids
+            and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
         ):
             self._finish(seq, FinishReason.STOP, outcome)
-        elif num_output >= request.max_output_tokens or len(token_ids) >= self.max_model_len:
+        elif len(token_ids) >= seq.max_num_tokens:
             self._finish(seq, FinishReason.LENGTH, outcome)
 
     # -- ending ---------------------------------------------------------------------------

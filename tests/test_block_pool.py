@@ -292,3 +292,41 @@ def test_empty_cpu_pool() -> None:
     assert pool.num_free == 0
     assert pool.allocate(0) == []
     assert pool.check([]) == []
+
+
+def test_free_queue_matches_an_lru_ordered_dict_under_random_operations() -> None:
+    # Taking free blocks out of the middle leaves stale entries (and, past num_blocks of
+    # them, compacts): the order seen and allocated must stay exact LRU order.
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(7)
+    pool = DeviceBlockPool(8)
+    model: OrderedDict[int, None] = OrderedDict.fromkeys(range(8))
+    refcounts = [0] * 8
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.02 and model:
+            count = rng.randint(1, min(2, len(model)))
+            expected = [model.popitem(last=False)[0] for _ in range(count)]
+            assert pool.allocate(count) == expected
+            for block in expected:
+                refcounts[block] = 1
+        elif op < 0.55:
+            block = rng.randrange(8)
+            if block in model:
+                del model[block]
+            pool.share([block])
+            refcounts[block] += 1
+        else:
+            held = [b for b in range(8) if refcounts[b]]
+            if held:
+                block = rng.choice(held)
+                pool.release([block])
+                refcounts[block] -= 1
+                if refcounts[block] == 0:
+                    model[block] = None
+        assert list(pool.free_queue) == list(model)
+        assert pool.num_free == len(model)
+        assert all((b in pool.free_queue) == (b in model) for b in range(8))
+        assert pool.check(refcounts) == []
