@@ -219,3 +219,29 @@ def test_shared_prefix_traces_share_their_first_tokens() -> None:
     )
     prefixes = {tuple(r.prompt_token_ids[:64]) for r in trace if r.prompt_token_ids}
     assert len(prefixes) == 2
+
+
+def test_simulate_without_invariant_checks_runs_the_same_schedule(tmp_path: Path) -> None:
+    trace = write_lines(
+        tmp_path / "t.jsonl",
+        [
+            {"id": f"r{i}", "arrival_step": i % 3, "prompt_len": 20 + i, "max_tokens": 8 + i}
+            for i in range(12)
+        ],
+    )
+    summaries = {}
+    for flag in ("--check-invariants", "--no-check-invariants"):
+        result = runner.invoke(
+            app,
+            ["simulate", "--trace", str(trace), "--json", "--num-gpu-blocks", "24", flag],
+        )
+        assert result.exit_code == 0, result.output
+        summaries[flag] = json.loads(result.stdout)
+    checked, unchecked = summaries["--check-invariants"], summaries["--no-check-invariants"]
+    assert checked.pop("invariants_ok") is True and unchecked.pop("invariants_ok") is None
+    assert sum(checked["preemptions"].values()) > 0
+    for summary in (checked, unchecked):
+        summary.pop("step_time_us")
+    assert checked == unchecked
+    table = runner.invoke(app, ["simulate", "--trace", str(trace), "--no-check-invariants"])
+    assert table.exit_code == 0, table.output  # unchecked is not failed
