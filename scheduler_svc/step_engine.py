@@ -165,6 +165,10 @@ class StepEngine:
         return pending.popleft()
 
     def _apply(self, record: StepRecord, result: StepResult, submitted: float) -> StepRecord:
+        inflight = self.core.inflight
+        if not inflight or inflight[0].step != record.plan.step:
+            # A worker was lost after this result arrived (on_worker_lost re-queued).
+            return record
         started = time.perf_counter()
         record.execute_s = started - max(submitted, self._last_result)
         self._last_result = started

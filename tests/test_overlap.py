@@ -289,3 +289,20 @@ def test_blocks_filled_by_placeholders_are_cached_once_their_tokens_are_known() 
     sched.add_request("turn2", [*history, 7, 7], SamplingParams(temperature=0.0, max_tokens=2))
     (new,) = engine.step().plan.new_seqs
     assert (new.seq_id, new.num_computed_tokens) == ("turn2", 16)  # 4 full blocks of 4
+
+
+def test_a_result_that_arrives_before_a_loss_is_dropped_with_the_cache() -> None:
+    """The worker is lost after a step's result arrived and before the engine applied
+    it: the loss re-queued everything, so the result is dropped, not applied twice."""
+    sched, worker, model = make(overlap=False)
+    engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
+    request = add(sched, model, "r", 6, max_tokens=5)
+    engine.step()
+    record, future, submitted = engine._next()
+    assert future.done()  # its result is in
+    engine.on_worker_lost()  # seen between the result and its update
+    dropped = engine._apply(record, future.result(), submitted)
+    assert dropped.result is None and request.seqs[0].num_computed_tokens == 0
+    worker.state.seqs.clear()  # a fresh worker
+    run(engine)
+    assert outputs(sched, [request])["r"] == model.reference_output("r", 0, 6, request.params, 128)
