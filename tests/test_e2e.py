@@ -95,9 +95,16 @@ def _inspect(address: str) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_32_concurrent_requests_match_transformers(model: Path, expected, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "overlap"), [("swap", True), ("recompute", True), ("swap", False)]
+)
+def test_32_concurrent_requests_match_transformers(
+    model: Path, expected, mode: str, overlap: bool
+) -> None:
+    """Greedy outputs equal transformers' with the next step planned while one runs
+    (the default) and without (so both modes give identical outputs)."""
     flags = [
+        "--overlap-scheduling" if overlap else "--no-overlap-scheduling",
         "--num-gpu-blocks",
         "40",
         "--block-size",
