@@ -247,7 +247,6 @@ class Scheduler:
         pool = kv.pool
         ref_cnt = pool.ref_cnt
         num_scheduled = step.num_scheduled
-        scheduled = step.scheduled
         sampling = step.sampling
         index = 0
         while index < len(running) and budget > 0:
@@ -268,7 +267,6 @@ class Scheduler:
             ):
                 # A decode inside its own partial block: no block, copy or cache change.
                 num_scheduled[seq.seq_id] = 1
-                scheduled.append(seq)
                 seq.num_computed_tokens = computed + 1
                 seq.num_placeholders = pending + 1
                 sampling.append(seq)
@@ -328,7 +326,7 @@ class Scheduler:
                 budget -= num_new
 
         if self.inflight and not (
-            step.scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
+            num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
         ):
             return None  # nothing for the workers until a result is back
         plan = step.plan(self.step, self._freed_seq_ids, reset=self._reset_workers)
@@ -337,7 +335,7 @@ class Scheduler:
         self.inflight.append(
             InflightStep(
                 self.step,
-                step.scheduled,
+                num_scheduled,
                 step.sampling,
                 bool(step.num_samples),
                 cpu_release,
@@ -449,18 +447,34 @@ class Scheduler:
         sampled = result.sampled_token_ids
         logprobs = result.logprobs or {}
         outcome = UpdateOutcome()
+        advanced = outcome.advanced
         finished = SeqStatus.FINISHED
         for seq in done.sampling:
             seq.num_placeholders -= 1
             if seq.status is finished:
                 continue
             tokens = sampled.get(seq.seq_id)
+            if tokens and len(tokens) == 1 and not seq.pending_forks and not logprobs:
+                # One token, nothing to fork, no logprobs: _append_token inlined (a call
+                # per token is 6% of the core's time per generated token); keep them alike.
+                token = tokens[0]
+                token_ids = seq.token_ids
+                token_ids.append(token)
+                advanced.append(seq)
+                if (
+                    token in seq.stop_ids
+                    and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
+                ):
+                    self._finish(seq, FinishReason.STOP, outcome)
+                elif len(token_ids) >= seq.max_num_tokens:
+                    self._finish(seq, FinishReason.LENGTH, outcome)
+                continue
             if not tokens or len(tokens) != 1 + seq.pending_forks:
                 raise WorkerProtocolError(
                     f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
                 )
             # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
-            entries = logprobs.get(seq.seq_id) if logprobs else None
+            entries = logprobs.get(seq.seq_id)
             if seq.pending_forks:
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
@@ -572,8 +586,8 @@ class Scheduler:
         # The oldest step was running when the worker died: its requests are suspects.
         suspects = {
             seq.request: None
-            for seq in (inflight[0].scheduled if inflight else ())
-            if seq.status is not SeqStatus.FINISHED
+            for seq_id in (inflight[0].scheduled if inflight else ())
+            if (seq := self.seqs.get(seq_id)) is not None  # unfinished
         }
         for lost in inflight:
             self.kv.cpu_pool.release(lost.cpu_release)

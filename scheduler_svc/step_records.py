@@ -45,7 +45,6 @@ class StepBuilder:
     """The parts of the plan under construction."""
 
     num_scheduled: dict[str, int] = field(default_factory=dict)
-    scheduled: list[Sequence] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
     """Scheduled sequences that sample a token (their last scheduled token is the last
     one they have, known or a placeholder)."""
@@ -95,7 +94,6 @@ class StepBuilder:
                 )
             )
         self.num_scheduled[seq_id] = num_new
-        self.scheduled.append(seq)
         seq.num_computed_tokens += num_new
         if seq.num_computed_tokens == len(seq.token_ids) + seq.num_placeholders:
             seq.num_placeholders += 1
@@ -123,7 +121,8 @@ class InflightStep:
     """A planned step whose result has not been applied yet."""
 
     step: int
-    scheduled: list[Sequence]
+    scheduled: dict[str, int]
+    """The plan's ``num_scheduled_tokens``: who runs in it."""
     sampling: list[Sequence]
     forks: bool
     """Whether it samples the forks of an n>1 request (nothing is planned past it)."""
