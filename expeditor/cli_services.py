@@ -101,6 +101,7 @@ def scheduler(
     (
         "worker_endpoint",
         "device",
+        "cpu_threads",
         "curve_server_key",
         "curve_client_key",
         "curve_authorized_clients",
@@ -130,6 +131,7 @@ def worker(
             server.device,
             curve_server_key=server.curve_server_key,
             curve_client_key=server.curve_client_key,
+            cpu_threads=server.cpu_threads,
         )
     )
 

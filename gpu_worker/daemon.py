@@ -61,6 +61,7 @@ class WorkerDaemon:
         *,
         curve_server_key: str = "",
         curve_client_key: str = "",
+        cpu_threads: int = 0,
     ) -> None:
         keys: dict[str, bytes] = {}
         if curve_server_key and endpoint_needs_curve(endpoint):
@@ -75,12 +76,13 @@ class WorkerDaemon:
         self.rank = rank
         self.endpoint = endpoint
         self.device = resolve_device(device)
+        self.cpu_threads = cpu_threads
         if self.device.type == "cpu":
-            # Leave a core to the scheduler process: spinning intra-op threads on every
-            # core starve it and the step loop waits on them.
+            # Load on all cores but one; the steps' count is chosen once the model is
+            # loaded (gpu_worker.threads), on the step thread.
             import torch
 
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+            torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -240,6 +242,10 @@ class WorkerDaemon:
         )
         if setup.swap_pool:
             self._attach(setup.swap_pool)
+        if self.device.type == "cpu":
+            from gpu_worker.threads import choose_cpu_threads
+
+            choose_cpu_threads(self.runner, self.cpu_threads)
         return WorkerHello(
             rank=self.rank,
             pid=os.getpid(),
@@ -267,6 +273,7 @@ def run_worker(
     *,
     curve_server_key: str = "",
     curve_client_key: str = "",
+    cpu_threads: int = 0,
 ) -> int:
     try:
         daemon = WorkerDaemon(
@@ -275,6 +282,7 @@ def run_worker(
             device,
             curve_server_key=curve_server_key,
             curve_client_key=curve_client_key,
+            cpu_threads=cpu_threads,
         )
     except ValueError as exc:  # ConfigError included
         log.error("%s", exc)

@@ -222,6 +222,12 @@ class ModelRunner:
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
+    def forward_only(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward of ``inputs`` over the KV cache, no plan state and no sampling
+        (timing the model, as the CPU thread choice does)."""
+        return self._forward(inputs, self.kv_cache)
+
+    @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         # Timed parts: swap, forward, sample; the rest of total (plan state, inputs) is
         # the step's preparation.

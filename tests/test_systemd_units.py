@@ -213,6 +213,7 @@ def test_example_config_parses() -> None:
         "worker_endpoint": "ipc:///run/expeditor/workers.sock",
         "workers": 1,
         "device": "auto",
+        "cpu_threads": 0,
         "gpu_memory_utilization": 0.9,
         "client_timeout_s": 10.0,
         "worker_timeout_s": 5.0,

@@ -1,0 +1,86 @@
+"""How many torch threads a CPU worker runs its steps on.
+
+The scheduler daemon shares the machine with the workers. A small model's step is a
+chain of tiny ops that a second thread does not speed up, while the thread it takes
+competes with the scheduler (and, on a 2-core machine, slows every step down); a
+heavier model's matmuls do scale. So, unless ``cpu_threads`` is set, the worker times
+a decode forward of its own model on every core and on all but one, and takes every
+core only when that is clearly faster (:data:`ALL_CORES_GAIN`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from gpu_worker.model_runner import ModelRunner, StepInputs
+
+log = logging.getLogger("expeditor.worker")
+
+ALL_CORES_GAIN = 1.4
+"""Every core must make the timed forward this much faster to be chosen: the scheduler
+then competes with the step for a core, which the timing alone does not show. On 2
+cores the tiny preset times 1.2x faster on both (served: 7% slower on both), the small
+preset 1.6x (served: 33% faster on both)."""
+
+CALIBRATION_SEQS = 64
+CALIBRATION_CONTEXT = 128
+
+
+def decode_inputs(runner: ModelRunner) -> StepInputs:
+    """A decode step of up to 64 sequences at context 128 over the runner's own cache
+    (the K/V it writes land in blocks no sequence holds yet)."""
+    bs = runner.block_size
+    per_seq = -(-(CALIBRATION_CONTEXT + 1) // bs)
+    num_seqs = max(1, min(CALIBRATION_SEQS, runner.num_gpu_blocks // per_seq))
+    per_seq = min(per_seq, runner.num_gpu_blocks // num_seqs)
+    context = min(CALIBRATION_CONTEXT, per_seq * bs - 1)
+    return StepInputs(
+        token_ids=[0] * num_seqs,
+        starts=[context] * num_seqs,
+        tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)],
+        query_start_loc=list(range(num_seqs + 1)),
+    )
+
+
+def time_forward(runner: ModelRunner, inputs: StepInputs, threads: int, repeats: int = 5) -> float:
+    """Median seconds of one forward of ``inputs`` on ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    times = []
+    with torch.inference_mode():
+        for index in range(repeats + 2):
+            started = time.perf_counter()
+            runner.forward_only(inputs)
+            if index >= 2:  # two warm-ups
+                times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def choose_cpu_threads(runner: ModelRunner, configured: int = 0) -> int:
+    """Set and return the step thread's torch thread count (call on the step thread:
+    torch keeps the count per thread)."""
+    cores = os.cpu_count() or 1
+    spare = max(1, cores - 1)
+    if configured:
+        threads = configured
+    elif cores == 1:
+        threads = 1
+    else:
+        inputs = decode_inputs(runner)
+        spare_s = time_forward(runner, inputs, spare)
+        all_s = time_forward(runner, inputs, cores)
+        threads = cores if spare_s >= ALL_CORES_GAIN * all_s else spare
+        log.info(
+            "decode forward of %d sequences: %.2f ms on %d threads, %.2f ms on %d",
+            len(inputs.starts),
+            spare_s * 1e3,
+            spare,
+            all_s * 1e3,
+            cores,
+        )
+    torch.set_num_threads(threads)
+    log.info("CPU worker: %d torch threads of %d cores", threads, cores)
+    return threads
