@@ -33,6 +33,7 @@ CORE = frozenset(
     for name in (
         "admission",
         "block_pool",
+        "ending",
         "kv_manager",
         "queues",
         "policies",
