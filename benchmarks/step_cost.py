@@ -254,7 +254,7 @@ def bench_prefill(
                 f"{timer.num_seqs} sequences / {timer.num_tokens} tokens"
             )
         measured = timer.total_s, timer.forward_s
-        while llm.scheduler.has_work():  # max_tokens=1: they finish; nothing else runs
+        while llm.has_work():  # max_tokens=1: they finish; nothing else runs
             llm.step()
         llm.finished.clear()
         return measured

@@ -137,7 +137,7 @@ class LLM:
                     self.outputs.requests.pop(earlier, None)
                 raise RejectedError(exc.code, f"prompt {index}: {exc.message}") from None
             request_ids.append(request_id)
-        while self.scheduler.has_work():
+        while self.has_work():
             self.step()
         return [self.finished.pop(request_id) for request_id in request_ids]
 
@@ -163,6 +163,10 @@ class LLM:
             arrival=time.monotonic(),
         )
         return request
+
+    def has_work(self) -> bool:
+        """Requests to run, or steps planned ahead whose results are not applied yet."""
+        return self.engine.has_work()
 
     def step(self) -> StepRecord:
         """One step (:class:`StepEngine`), its outputs processed as the daemon does:

@@ -119,7 +119,7 @@ def test_rejection_names_the_prompt(make_llm) -> None:
     llm = make_llm(num_gpu_blocks=64)
     with pytest.raises(RejectedError, match=r"prompt 1: .*max_model_len"):
         llm.generate([[1, 2, 3], [1] * 300], SamplingParams(max_tokens=4))
-    assert not llm.scheduler.has_work()
+    assert not llm.has_work()
     with pytest.raises(TypeError):
         llm.generate("not a list")  # type: ignore[arg-type]
 

@@ -168,7 +168,7 @@ def run_inprocess(
         prompts = {r.request_id: r for r in workload.requests}
         bs = sched.block_size
         start = time.perf_counter()
-        while pending or sched.has_work():
+        while pending or llm.has_work():
             now = time.perf_counter()
             while pending and start + pending[-1].arrival_s <= now:
                 req = pending.pop()
@@ -181,7 +181,7 @@ def run_inprocess(
                         temperature=0.0, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos
                     ),
                 )
-            if not sched.has_work():
+            if not llm.has_work():
                 time.sleep(max(0.0, min(0.01, start + pending[-1].arrival_s - now)))
                 continue
             outcome = llm.step().outcome
