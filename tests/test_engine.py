@@ -86,6 +86,10 @@ def test_stop_string_ends_generation_at_its_first_occurrence(make_llm) -> None:
     assert stopped.text == full.text[:cut]
     assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
     assert len(stopped.token_ids) < len(full.token_ids)
+    # A stop string ends the sample after the next step was planned: generate() still
+    # applies that step, so nothing is left in flight or on the runner.
+    assert not llm.engine.pending and not llm.scheduler.inflight
+    assert llm.runner.state.seqs == {}
 
 
 def test_logprobs_are_returned_per_token(make_llm) -> None:
