@@ -85,6 +85,10 @@ class KVCacheManager:
         """Prefix hits for admission: always leaves at least one token to compute."""
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among ``seq``'s first ``num_tokens`` (known) tokens."""
+        self._cache_full_blocks(seq, num_tokens)
+
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         full = num_tokens // self.block_size
         start = seq.num_cached_blocks

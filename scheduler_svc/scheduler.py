@@ -32,6 +32,7 @@ from collections.abc import Iterable
 
 from ipc.schema import (
     BatchPlan,
+    BlockUpdate,
     ErrorCode,
     SeqStatus,
     StepResult,
@@ -245,6 +246,7 @@ class Scheduler(SequenceEnding):
         bs = self.block_size
         pool = kv.pool
         ref_cnt = pool.ref_cnt
+        caching = kv.enable_prefix_caching
         num_scheduled = step.num_scheduled
         sampling = step.sampling
         index = 0
@@ -256,22 +258,36 @@ class Scheduler(SequenceEnding):
             if pending and self._result_needed(seq):
                 index += 1  # it may end with the token in flight: wait for it
                 continue
-            if (
-                num_new == 1
-                and computed % bs
-                and (computed + 1) % bs
-                and seq.on_worker
-                and not seq.pending_forks
-                and (not pool.num_shared or ref_cnt[seq.block_table[computed // bs]] == 1)
-            ):
-                # A decode inside its own partial block: no block, copy or cache change.
-                num_scheduled[seq.seq_id] = 1
-                seq.num_computed_tokens = computed + 1
-                seq.num_placeholders = pending + 1
-                sampling.append(seq)
-                budget -= 1
-                index += 1
-                continue
+            if num_new == 1 and seq.on_worker and not seq.pending_forks:
+                # A decode (the common case) without kv.append / StepBuilder.add: one
+                # inside its own partial block changes nothing; one that opens a block
+                # takes one; one that fills its block (or opens the next) registers the
+                # full blocks whose tokens are known in the prefix cache.
+                fast = True
+                if computed % bs:
+                    if pool.num_shared and ref_cnt[seq.block_table[computed // bs]] != 1:
+                        fast = False  # shared partial block: copy-on-write below
+                elif pool.num_free:
+                    (block,) = pool.allocate(1)
+                    seq.block_table.append(block)
+                    step.block_updates.append(BlockUpdate(seq_id=seq.seq_id, appended=[block]))
+                else:
+                    fast = False  # no free block: preemption below
+                if fast:
+                    num_scheduled[seq.seq_id] = 1
+                    seq.num_computed_tokens = computed + 1
+                    seq.num_placeholders = pending + 1
+                    sampling.append(seq)
+                    budget -= 1
+                    index += 1
+                    edge = (computed + 1) % bs == 0
+                    if edge:
+                        growth_reserve += 1
+                    if caching and (edge or computed % bs == 0):
+                        known = min(computed + 1, len(seq.token_ids))
+                        if known // bs > seq.num_cached_blocks:
+                            kv.cache_full_blocks(seq, known)
+                    continue
             if num_new > 1:
                 num_new = self._chunk(num_new, budget)
             while not kv.can_append(seq, num_new):
