@@ -73,6 +73,7 @@ def test_simulate_writes_steps_and_summary(tmp_path: Path) -> None:
             "--max-model-len",
             "128",
             "--verify-kv",
+            "--check-invariants",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -187,6 +188,7 @@ def test_make_trace_then_simulate_1000_requests(tmp_path: Path) -> None:
             "3000",
             "--policy",
             "priority",
+            "--check-invariants",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -230,18 +232,20 @@ def test_simulate_without_invariant_checks_runs_the_same_schedule(tmp_path: Path
         ],
     )
     summaries = {}
-    for flag in ("--check-invariants", "--no-check-invariants"):
+    for flags in (["--check-invariants"], ["--no-check-invariants"], []):
         result = runner.invoke(
             app,
-            ["simulate", "--trace", str(trace), "--json", "--num-gpu-blocks", "24", flag],
+            ["simulate", "--trace", str(trace), "--json", "--num-gpu-blocks", "24", *flags],
         )
         assert result.exit_code == 0, result.output
-        summaries[flag] = json.loads(result.stdout)
-    checked, unchecked = summaries["--check-invariants"], summaries["--no-check-invariants"]
-    assert checked.pop("invariants_ok") is True and unchecked.pop("invariants_ok") is None
+        summaries[" ".join(flags)] = json.loads(result.stdout)
+    checked = summaries["--check-invariants"]
+    unchecked, default = summaries["--no-check-invariants"], summaries[""]
+    assert checked.pop("invariants_ok") is True
+    assert unchecked.pop("invariants_ok") is None and default.pop("invariants_ok") is None
     assert sum(checked["preemptions"].values()) > 0
-    for summary in (checked, unchecked):
+    for summary in (checked, unchecked, default):
         summary.pop("step_time_us")
-    assert checked == unchecked
+    assert checked == unchecked == default
     table = runner.invoke(app, ["simulate", "--trace", str(trace), "--no-check-invariants"])
     assert table.exit_code == 0, table.output  # unchecked is not failed
