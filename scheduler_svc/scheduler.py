@@ -246,7 +246,7 @@ class Scheduler(SequenceEnding):
         bs = self.block_size
         pool = kv.pool
         ref_cnt = pool.ref_cnt
-        caching = kv.enable_prefix_caching
+        last_slot = bs - 1
         num_scheduled = step.num_scheduled
         sampling = step.sampling
         index = 0
@@ -263,30 +263,24 @@ class Scheduler(SequenceEnding):
                 # inside its own partial block changes nothing; one that opens a block
                 # takes one; one that fills its block (or opens the next) registers the
                 # full blocks whose tokens are known in the prefix cache.
-                fast = True
-                if computed % bs:
-                    if pool.num_shared and ref_cnt[seq.block_table[computed // bs]] != 1:
-                        fast = False  # shared partial block: copy-on-write below
-                elif pool.num_free:
-                    (block,) = pool.allocate(1)
-                    seq.block_table.append(block)
-                    step.block_updates.append(BlockUpdate(seq_id=seq.seq_id, appended=[block]))
-                else:
-                    fast = False  # no free block: preemption below
-                if fast:
-                    num_scheduled[seq.seq_id] = 1
+                slot = computed % bs
+                if slot and slot != last_slot:
+                    if not pool.num_shared or ref_cnt[seq.block_table[computed // bs]] == 1:
+                        num_scheduled[seq.seq_id] = 1
+                        seq.num_computed_tokens = computed + 1
+                        seq.num_placeholders = pending + 1
+                        sampling.append(seq)
+                        budget -= 1
+                        index += 1
+                        continue
+                elif self._decode_at_block_edge(seq, slot, step):
                     seq.num_computed_tokens = computed + 1
                     seq.num_placeholders = pending + 1
                     sampling.append(seq)
                     budget -= 1
                     index += 1
-                    edge = (computed + 1) % bs == 0
-                    if edge:
+                    if slot == last_slot:
                         growth_reserve += 1
-                    if caching and (edge or computed % bs == 0):
-                        known = min(computed + 1, len(seq.token_ids))
-                        if known // bs > seq.num_cached_blocks:
-                            kv.cache_full_blocks(seq, known)
                     continue
             if num_new > 1:
                 num_new = self._chunk(num_new, budget)
@@ -367,6 +361,30 @@ class Scheduler(SequenceEnding):
         return bool(seq.pending_forks) or (
             len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
         )
+
+    def _decode_at_block_edge(self, seq: Sequence, slot: int, step: StepBuilder) -> bool:
+        """Schedule a known decode that opens a block (``slot`` 0: one block from the
+        pool) or fills its block (the last slot, not shared), registering the full blocks
+        whose tokens are known; False when it needs the general way (copy-on-write, or
+        no free block)."""
+        kv = self.kv
+        pool = kv.pool
+        computed = seq.num_computed_tokens
+        if slot:
+            if pool.num_shared and pool.ref_cnt[seq.block_table[computed // self.block_size]] != 1:
+                return False
+        elif pool.num_free:
+            (block,) = pool.allocate(1)
+            seq.block_table.append(block)
+            step.block_updates.append(BlockUpdate(seq_id=seq.seq_id, appended=[block]))
+        else:
+            return False
+        step.num_scheduled[seq.seq_id] = 1
+        if kv.enable_prefix_caching:
+            known = min(computed + 1, len(seq.token_ids))
+            if known // self.block_size > seq.num_cached_blocks:
+                kv.cache_full_blocks(seq, known)
+        return True
 
     def _chunk(self, num_new: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
