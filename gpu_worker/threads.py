@@ -46,17 +46,26 @@ def decode_inputs(runner: ModelRunner) -> StepInputs:
     )
 
 
-def time_forward(runner: ModelRunner, inputs: StepInputs, threads: int, repeats: int = 5) -> float:
-    """Median seconds of one forward of ``inputs`` on ``threads`` torch threads."""
+def time_forward(runner: ModelRunner, inputs: StepInputs, threads: int) -> float:
+    """Seconds of one forward of ``inputs`` on ``threads`` torch threads."""
     torch.set_num_threads(threads)
-    times = []
-    with torch.inference_mode():
-        for index in range(repeats + 2):
-            started = time.perf_counter()
-            runner.forward_only(inputs)
-            if index >= 2:  # two warm-ups
-                times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    started = time.perf_counter()
+    runner.forward_only(inputs)
+    return time.perf_counter() - started
+
+
+def fastest_forwards(
+    runner: ModelRunner, inputs: StepInputs, counts: tuple[int, ...], repeats: int = 7
+) -> dict[int, float]:
+    """The fastest of ``repeats`` forwards on each thread count, the counts taking turns
+    (after two warm-ups each), so that a burst of load elsewhere slows both alike."""
+    best = {count: float("inf") for count in counts}
+    for index in range(repeats + 2):
+        for count in counts:
+            elapsed = time_forward(runner, inputs, count)
+            if index >= 2:
+                best[count] = min(best[count], elapsed)
+    return best
 
 
 def choose_cpu_threads(runner: ModelRunner, configured: int = 0) -> int:
@@ -70,8 +79,8 @@ def choose_cpu_threads(runner: ModelRunner, configured: int = 0) -> int:
         threads = 1
     else:
         inputs = decode_inputs(runner)
-        spare_s = time_forward(runner, inputs, spare)
-        all_s = time_forward(runner, inputs, cores)
+        best = fastest_forwards(runner, inputs, (spare, cores))
+        spare_s, all_s = best[spare], best[cores]
         threads = cores if spare_s >= ALL_CORES_GAIN * all_s else spare
         log.info(
             "decode forward of %d sequences: %.2f ms on %d threads, %.2f ms on %d",

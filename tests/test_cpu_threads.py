@@ -45,12 +45,15 @@ def test_every_core_only_when_clearly_faster(
 ) -> None:
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
     timed = {3: spare_ms / 1e3, 4: all_ms / 1e3}
-    monkeypatch.setattr(threads, "time_forward", lambda r, i, n: timed[n])
+    calls: list[int] = []
+    monkeypatch.setattr(threads, "time_forward", lambda r, i, n: calls.append(n) or timed[n])
     before = torch.get_num_threads()
     try:
         assert threads.choose_cpu_threads(runner) == chosen
         assert torch.get_num_threads() == chosen
-        assert threads.choose_cpu_threads(runner, configured=2) == 2  # set: no timing
-        assert torch.get_num_threads() == 2
+        assert calls[:4] == [3, 4, 3, 4]  # the counts take turns
+        calls.clear()
+        assert threads.choose_cpu_threads(runner, configured=2) == 2
+        assert torch.get_num_threads() == 2 and calls == []  # set: no timing
     finally:
         torch.set_num_threads(before)
