@@ -50,6 +50,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,18 +208,13 @@ def bench_decode(
     engine_tokens = [s.token_ids[-1] for s in seqs]
     pairs = zip(engine_tokens, next_tokens.tolist(), strict=True)
     agreement = sum(a == b for a, b in pairs) / batch
-    engine_ms: list[float] = []
-    forward_ms: list[float] = []
-    hf_ms: list[float] = []
-    for r in range(repeat):
-        for side in ("engine", "hf") if r % 2 == 0 else ("hf", "engine"):
-            if side == "engine":
-                total, forward = engine_step()
-                engine_ms.append(total * 1e3)
-                forward_ms.append(forward * 1e3)
-            else:
-                elapsed, mask, next_tokens = hf_decode_step(hf, cache, mask, next_tokens)
-                hf_ms.append(elapsed * 1e3)
+
+    def hf_step() -> float:
+        nonlocal mask, next_tokens
+        elapsed, mask, next_tokens = hf_decode_step(hf, cache, mask, next_tokens)
+        return elapsed
+
+    engine_ms, forward_ms, hf_ms = interleave(repeat, engine_step, hf_step)
     abort_all(llm)
     llm.runner.execute = timer.inner  # type: ignore[method-assign]
     return summarize(
@@ -231,6 +227,27 @@ def bench_decode(
         mean_context=statistics.fmean(context_lens),
         greedy_agreement=agreement,
     )
+
+
+def interleave(
+    repeat: int,
+    engine_step: Callable[[], tuple[float, float]],
+    hf_step: Callable[[], float],
+) -> tuple[list[float], list[float], list[float]]:
+    """``repeat`` rounds of one engine step and one transformers step, taking turns at
+    going first; milliseconds: the engine's totals, its forwards, transformers'."""
+    engine_ms: list[float] = []
+    forward_ms: list[float] = []
+    hf_ms: list[float] = []
+    for r in range(repeat):
+        for side in ("engine", "hf") if r % 2 == 0 else ("hf", "engine"):
+            if side == "engine":
+                total, forward = engine_step()
+                engine_ms.append(total * 1e3)
+                forward_ms.append(forward * 1e3)
+            else:
+                hf_ms.append(hf_step() * 1e3)
+    return engine_ms, forward_ms, hf_ms
 
 
 def bench_prefill(
@@ -270,17 +287,7 @@ def bench_prefill(
 
     engine_step()  # warm-up
     hf_step()
-    engine_ms: list[float] = []
-    forward_ms: list[float] = []
-    hf_ms: list[float] = []
-    for r in range(repeat):
-        for side in ("engine", "hf") if r % 2 == 0 else ("hf", "engine"):
-            if side == "engine":
-                total, forward = engine_step()
-                engine_ms.append(total * 1e3)
-                forward_ms.append(forward * 1e3)
-            else:
-                hf_ms.append(hf_step() * 1e3)
+    engine_ms, forward_ms, hf_ms = interleave(repeat, engine_step, hf_step)
     llm.runner.execute = timer.inner  # type: ignore[method-assign]
     return summarize(
         "prefill",

@@ -86,10 +86,8 @@ class KVCacheManager:
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register the full blocks among ``seq``'s first ``num_tokens`` (known) tokens."""
-        self._cache_full_blocks(seq, num_tokens)
-
-    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (all
+        known) in the prefix cache."""
         full = num_tokens // self.block_size
         start = seq.num_cached_blocks
         if full <= start:
@@ -183,7 +181,7 @@ class KVCacheManager:
             # A block is keyed by its tokens: one ending in a placeholder waits for them.
             known = min(end, len(seq.token_ids))
             if known // self.block_size > seq.num_cached_blocks:
-                self._cache_full_blocks(seq, known)
+                self.cache_full_blocks(seq, known)
         return appended, cow
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -233,5 +231,5 @@ class KVCacheManager:
         seq.num_cached_blocks = len(hits)
         seq.cpu_block_table = []
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, seq.num_computed_tokens)
+            self.cache_full_blocks(seq, seq.num_computed_tokens)
         return list(zip(cpu_blocks[len(hits) :], copied, strict=True)), cpu_blocks
