@@ -74,3 +74,14 @@ with_config_options: Decorator = settings_options(SchedulerConfig, "config_overr
 def with_server_options(fields: Iterable[str] = SERVER_FIELDS) -> Decorator:
     """Add flags for ``fields`` of the [server] table to a command taking ``server_overrides``."""
     return settings_options(ServerConfig, "server_overrides", SERVER_PANEL, fields)
+
+
+GATEWAY_PANEL = "Gateway (also EXPEDITOR_* env vars and the [gateway] table of --config)"
+
+
+def with_gateway_options(fields: Iterable[str] | None = None) -> Decorator:
+    """Add flags for ``fields`` of the [gateway] table to a command taking
+    ``gateway_overrides``."""
+    from shared.gateway_config import GatewayConfig
+
+    return settings_options(GatewayConfig, "gateway_overrides", GATEWAY_PANEL, fields)

@@ -11,7 +11,11 @@ from typing import Annotated, Any
 import typer
 
 from expeditor.cli import app, fail, resolve_config
-from expeditor.cli_options import with_config_options, with_server_options
+from expeditor.cli_options import (
+    with_config_options,
+    with_gateway_options,
+    with_server_options,
+)
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
 from shared.swap_pool import SHM_DIR, remove_stale_segments
@@ -42,25 +46,59 @@ def _server(config_file: Path | None, overrides: dict[str, Any]) -> ServerConfig
     return server
 
 
+SERVE_GATEWAY_FIELDS = (
+    "api_key",
+    "api_key_file",
+    "served_model_name",
+    "chat_template",
+    "max_body_bytes",
+    "scheduler_timeout_s",
+)
+"""The [gateway] flags of serve (--http HOST:PORT stands for host and port)."""
+
+
 @app.command()
 @with_server_options()
 @with_config_options
+@with_gateway_options(SERVE_GATEWAY_FIELDS)
 def serve(
     config: ConfigFile = None,
+    http: Annotated[
+        str | None,
+        typer.Option(
+            "--http",
+            metavar="HOST:PORT",
+            help="Also serve the OpenAI API over HTTP here (the [gateway] table's other "
+            "settings apply), e.g. 127.0.0.1:8000.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
     *,
     server_overrides: dict[str, Any],
     config_overrides: dict[str, Any],
+    gateway_overrides: dict[str, Any],
 ) -> None:
     """Start the scheduler and its workers, supervised; print the frontend address once
-    ready to serve; stop everything on SIGINT/SIGTERM.
+    ready to serve (and, with --http, the gateway's URL once it answers); stop everything
+    on SIGINT/SIGTERM.
 
     Without --frontend the sockets live in a new private (0700) runtime directory.
     """
     _logging(verbose)
+    from expeditor.cli_gateway import gateway_settings
     from ipc.curve import check_serve_keys
     from scheduler_svc.supervisor import run_serve
+    from shared.gateway_config import parse_http_address
 
+    gateway = None
+    if http is not None:
+        try:
+            host, port = parse_http_address(http)
+        except ConfigError as exc:
+            fail(str(exc))
+        gateway, _ = gateway_settings(config, {**gateway_overrides, "host": host, "port": port})
+    elif any(value is not None for value in gateway_overrides.values()):
+        fail("the gateway flags (--api-key, --chat-template ...) need --http HOST:PORT")
     server = _server(config, server_overrides)
     if server.curve:
         try:
@@ -69,7 +107,7 @@ def serve(
             )
         except ConfigError as exc:
             fail(str(exc))
-    raise typer.Exit(run_serve(server, resolve_config(config, config_overrides)))
+    raise typer.Exit(run_serve(server, resolve_config(config, config_overrides), gateway))
 
 
 @app.command()

@@ -45,6 +45,8 @@ from ipc.schema import (
     HealthStatus,
     Inspect,
     InspectReply,
+    Metrics,
+    MetricsReply,
     Ping,
     Pong,
     ServerMessage,
@@ -151,6 +153,7 @@ class AsyncClient:
         self._control_waiters: dict[type[Any], deque[ControlEntry]] = {
             HealthStatus: deque(),
             InspectReply: deque(),
+            MetricsReply: deque(),
             Pong: deque(),
         }
 
@@ -260,6 +263,11 @@ class AsyncClient:
     async def health(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> HealthStatus:
         """``status`` is ``ok``, ``starting`` (no worker yet) or ``degraded``."""
         return await self._control(Health(), HealthStatus, timeout, "health")
+
+    async def metrics(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> MetricsReply:
+        """The server's gauges, token counters and latency histograms (every client's
+        requests count)."""
+        return await self._control(Metrics(), MetricsReply, timeout, "metrics")
 
     async def ping(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> float:
         """Round trip to the server in seconds (a liveness check)."""

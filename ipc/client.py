@@ -71,7 +71,7 @@ from ipc.errors import (
     UnknownRequestError,
     WorkerLostError,
 )
-from ipc.schema import Delta, HealthStatus, InspectReply
+from ipc.schema import Delta, HealthStatus, InspectReply, MetricsReply
 from shared.sampling import SamplingParams
 
 __all__ = [
@@ -267,6 +267,10 @@ class Client:
     def health(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> HealthStatus:
         """See :meth:`AsyncClient.health`."""
         return self._call(self._async.health(timeout=timeout))
+
+    def metrics(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> MetricsReply:
+        """See :meth:`AsyncClient.metrics`."""
+        return self._call(self._async.metrics(timeout=timeout))
 
     def ping(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> float:
         """See :meth:`AsyncClient.ping`."""

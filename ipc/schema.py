@@ -50,9 +50,12 @@ __all__ = [
     "HealthState",
     "HealthStatus",
     "Heartbeat",
+    "HistogramData",
     "Inspect",
     "InspectReply",
     "Message",
+    "Metrics",
+    "MetricsReply",
     "NewSeq",
     "Ping",
     "Pong",
@@ -371,6 +374,10 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health", tag_field=
     pass
 
 
+class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics", tag_field="type"):
+    """Ask for the server's counters, gauges and latency histograms (:class:`MetricsReply`)."""
+
+
 class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping", tag_field="type"):
     """Client keep-alive: a client silent for ``client_timeout_s`` while it has requests
     in flight is taken as gone, and its requests are aborted."""
@@ -403,6 +410,9 @@ class DeltaBatch(msgspec.Struct, frozen=True, kw_only=True, tag="deltas", tag_fi
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache when the request was first
+    scheduled."""
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -463,6 +473,47 @@ class InspectReply(
     """Mean over every step since the server started."""
 
 
+class HistogramData(msgspec.Struct, frozen=True, kw_only=True):
+    """A cumulative histogram as Prometheus keeps one."""
+
+    bounds: list[float]
+    """Upper bounds of the buckets, increasing; a last ``+Inf`` bucket is implied."""
+    counts: list[int]
+    """Observations per bucket (not cumulative), ``len(bounds) + 1`` of them."""
+    sum: float
+    count: int
+
+
+class MetricsReply(
+    msgspec.Struct, frozen=True, kw_only=True, tag="metrics_reply", tag_field="type"
+):
+    """The server's state and the totals since it started, for Prometheus (the gateway's
+    ``/metrics``). Counts every request, whichever client sent it. Names follow vLLM's
+    metrics (docs/deploy.md)."""
+
+    model: str
+    num_requests_running: int
+    num_requests_waiting: int
+    num_requests_swapped: int
+    kv_cache_usage_perc: float
+    """Share of device KV blocks in use (0..1)."""
+    cpu_swap_usage_perc: float
+    """Share of CPU swap-pool blocks in use (0..1)."""
+    num_preemptions: dict[str, int]
+    """By mode: swap, recompute."""
+    prompt_tokens: int
+    """Prompt tokens of the requests scheduled so far (prefix-cache hits included)."""
+    generation_tokens: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int
+    request_success: dict[str, int]
+    """Finished requests by finish reason of their first sample: stop, length, abort."""
+    histograms: dict[str, HistogramData]
+    """time_to_first_token_seconds, inter_token_latency_seconds,
+    e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total."""
+
+
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):
     """Answer to Abort. ``aborted`` is False when the request had already finished; an
     unknown id gets ErrorReply(code=UNKNOWN_REQUEST) instead. The aborted request's
@@ -476,7 +527,7 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong", tag_field="typ
     pass
 
 
-ClientMessage = Generate | Abort | Inspect | Health | Ping
+ClientMessage = Generate | Abort | Inspect | Health | Ping | Metrics
 ServerMessage = (
     Accepted
     | Delta
@@ -486,6 +537,7 @@ ServerMessage = (
     | AbortAck
     | HealthStatus
     | InspectReply
+    | MetricsReply
     | Pong
 )
 WorkerMessage = WorkerJoin | WorkerHello | StepResult | Heartbeat | WorkerError

@@ -41,6 +41,8 @@ from ipc.schema import (
     HealthStatus,
     Inspect,
     InspectReply,
+    Metrics,
+    MetricsReply,
     Ping,
     Pong,
     ServerMessage,
@@ -185,6 +187,8 @@ class Frontend:
             self.send(identity, self._inspect())
         elif isinstance(message, Health):
             self.send(identity, self._health())
+        elif isinstance(message, Metrics):
+            self.send(identity, self._metrics())
         elif isinstance(message, Ping):
             self.send(identity, Pong())
 
@@ -325,6 +329,35 @@ class Frontend:
             frontend=self.server.frontend,
             step_times=times.recent() if times is not None else None,
             step_times_total=times.total() if times is not None else None,
+        )
+
+    def _metrics(self) -> MetricsReply:
+        core, metrics = self.core, self.outputs.metrics
+        running = waiting = swapped = 0
+        kv_usage = cpu_usage = 0.0
+        preemptions: dict[str, int] = {}
+        queried = hits = 0
+        if core is not None:
+            running, waiting, swapped = len(core.running), len(core.waiting), len(core.swapped)
+            gpu, cpu = core.kv.pool, core.kv.cpu_pool
+            kv_usage = 1 - gpu.num_free / gpu.num_blocks if gpu.num_blocks else 0.0
+            cpu_usage = 1 - cpu.num_free / cpu.num_blocks if cpu.num_blocks else 0.0
+            preemptions = dict(core.preemptions)
+            queried, hits = core.kv.queried_tokens, core.kv.hit_tokens
+        return MetricsReply(
+            model=self.model,
+            num_requests_running=running,
+            num_requests_waiting=waiting + len(self.backlog),
+            num_requests_swapped=swapped,
+            kv_cache_usage_perc=kv_usage,
+            cpu_swap_usage_perc=cpu_usage,
+            num_preemptions=preemptions,
+            prompt_tokens=metrics.prompt_tokens,
+            generation_tokens=metrics.generation_tokens,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=hits,
+            request_success=dict(metrics.request_success),
+            histograms=metrics.histograms(),
         )
 
     def _health(self) -> HealthStatus:

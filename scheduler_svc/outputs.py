@@ -25,6 +25,7 @@ from ipc.schema import (
     Usage,
 )
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.metrics import RequestMetrics
 from shared.outputs import Completion, CompletionSample, FinishReason
 from shared.sampling import SamplingParams
 
@@ -40,8 +41,11 @@ class StepEvents:
     finished_requests: list[str] = field(default_factory=list)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     """Sequence id -> logprobs of its new token (UpdateOutcome.logprobs)."""
-    scheduled_requests: list[str] = field(default_factory=list)
-    """Requests scheduled for the first time in this step."""
+    scheduled_requests: list[tuple[str, int]] = field(default_factory=list)
+    """(request id, prefix-cache hit tokens) of the requests whose first sample was
+    (re)sent to the workers in full this step; the first time counts."""
+    num_scheduled_tokens: int = 0
+    """Tokens the step computed (prefill and decode)."""
     time: float = 0.0
 
 
@@ -63,6 +67,9 @@ class ClientRequest:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
+    """When the latest step with a token of this request was processed."""
+    cached_tokens: int = 0
     samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     reasons: dict[int, FinishReason] = field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
@@ -97,6 +104,7 @@ class OutputProcessor:
         self.requests: dict[str, ClientRequest] = {}
         self.finished_owners: OrderedDict[str, bytes] = OrderedDict()
         """The last RECENTLY_FINISHED requests that ended, by id -> owner."""
+        self.metrics = RequestMetrics()
 
     def _forget(self, request_id: str) -> ClientRequest | None:
         req = self.requests.pop(request_id, None)
@@ -128,10 +136,15 @@ class OutputProcessor:
 
     def on_step(self, events: StepEvents) -> None:
         now = events.time
-        for request_id in events.scheduled_requests:
+        metrics = self.metrics
+        for request_id, cached in events.scheduled_requests:
             req = self.requests.get(request_id)
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
+                req.cached_tokens = cached
+                metrics.on_scheduled(len(req.prompt_token_ids))
+        generated = 0
+        itl = metrics.itl
         ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
         stopped: list[str] = []
         outbox: dict[bytes, list[Delta]] = {}
@@ -145,14 +158,19 @@ class OutputProcessor:
             detok = self._sample(req, index)
             if detok.stopped:
                 continue  # tokens after a stop string are not part of the output
+            generated += 1
             if req.first_token is None:
                 req.first_token = now
+            elif req.last_token != now:  # once per request and step (n > 1: per sample)
+                itl.observe(now - req.last_token)  # type: ignore[operator]  # set with first
+            req.last_token = now
             entry = events.logprobs.get(seq_id)
             if entry is not None:
                 req.logprobs.setdefault(index, []).append(entry)
             if (window := detok.push(token)) is not None:  # None: decoded at the end
                 pending.append((req, index, seq_id, token, detok, entry))
                 windows.extend(window)
+        metrics.on_step(events.num_scheduled_tokens, generated)
         decoded: list[str] = []
         if windows:
             assert self.tokenizer is not None
@@ -223,6 +241,12 @@ class OutputProcessor:
             )
         first_scheduled = req.first_scheduled if req.first_scheduled is not None else now
         first_token = req.first_token if req.first_token is not None else now
+        self.metrics.on_finished(
+            samples[0].finish_reason,
+            first_scheduled - req.arrival,
+            None if req.first_token is None else first_token - req.arrival,
+            now - req.arrival,
+        )
         self.send(
             req.client,
             Finished(
@@ -233,6 +257,7 @@ class OutputProcessor:
                 usage=Usage(
                     prompt_tokens=len(req.prompt_token_ids),
                     completion_tokens=sum(len(s.token_ids) for s in samples),
+                    cached_tokens=req.cached_tokens,
                 ),
                 timings=Timings(
                     queue_s=first_scheduled - req.arrival,

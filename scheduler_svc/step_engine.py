@@ -186,7 +186,12 @@ class StepEngine:
             ],
             finished_requests=[r.request_id for r in outcome.finished_requests],
             logprobs=outcome.logprobs,
-            scheduled_requests=[n.request_id for n in record.plan.new_seqs],
+            scheduled_requests=[
+                (n.request_id, n.num_computed_tokens)
+                for n in record.plan.new_seqs
+                if n.sample_index == 0
+            ],
+            num_scheduled_tokens=record.plan.total_tokens,
             time=time.monotonic(),
         )
         self.times.add_step(record.schedule_s + record.update_s, record.execute_s, result.timing)

@@ -1,9 +1,11 @@
 """``expeditor serve``: the scheduler and N workers as supervised child processes.
 
 Starts the scheduler, then the workers; waits until the server answers health "ok";
-prints the frontend address on stdout; restarts a worker that dies (unless told not
-to); on SIGINT/SIGTERM stops everything and removes its private runtime directory.
-Exits non-zero if the scheduler dies or never becomes ready.
+with an HTTP gateway (``serve --http``) starts it and waits until its /health answers
+200; prints the frontend address on stdout, then the gateway's URL; restarts a worker
+or the gateway when it dies (workers unless told not to); on SIGINT/SIGTERM stops
+everything (the scheduler first, which drains) and removes its private runtime
+directory. Exits non-zero if the scheduler dies or never becomes ready.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import FrameType
 
@@ -26,6 +30,7 @@ from ipc.curve import client_curve_options
 from ipc.errors import ClientTimeoutError, ServerError
 from ipc.schema import HealthState
 from shared.config import SchedulerConfig, config_to_toml
+from shared.gateway_config import GatewayConfig, gateway_config_to_toml
 from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
 
 log = logging.getLogger("expeditor.serve")
@@ -41,7 +46,9 @@ restarted again: serve gives up with status 1 (its log says why)."""
 
 
 class Supervisor:
-    def __init__(self, server: ServerConfig, config: SchedulerConfig) -> None:
+    def __init__(
+        self, server: ServerConfig, config: SchedulerConfig, gateway: GatewayConfig | None = None
+    ) -> None:
         self.rundir = Path(tempfile.mkdtemp(prefix="expeditor-"))  # mode 0700
         server = msgspec.structs.replace(
             server,
@@ -50,7 +57,15 @@ class Supervisor:
         )
         self.server = server
         self.config_path = self.rundir / "expeditor.toml"
-        self.config_path.write_text(server_config_to_toml(server) + "\n" + config_to_toml(config))
+        tables = [server_config_to_toml(server), config_to_toml(config)]
+        if gateway is not None:
+            tables.append(gateway_config_to_toml(gateway))
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as file:  # may hold the gateway's API key: owner only
+            file.write("\n".join(tables))
+        self.gateway_config = gateway
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.gateway_restart_at: float | None = None
         self.scheduler: subprocess.Popen[bytes] | None = None
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.failed_starts: dict[int, int] = {}
@@ -96,7 +111,13 @@ class Supervisor:
                 self._spawn_worker(rank)
             if not self._wait_ready():
                 return 1
+            if self.gateway_config is not None:
+                self.gateway = self._spawn("gateway")
+                if not self._wait_gateway():
+                    return 1
             print(self.server.frontend, flush=True)
+            if self.gateway_config is not None:
+                print(self.gateway_url, flush=True)
             return self._supervise()
         finally:
             self._stop_all()
@@ -127,6 +148,44 @@ class Supervisor:
         if not self.stopping:
             log.error("the server did not become ready within %.0f s", READY_TIMEOUT_S)
         return False
+
+    @property
+    def gateway_url(self) -> str:
+        assert self.gateway_config is not None
+        host = self.gateway_config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.gateway_config.port}"
+
+    def _wait_gateway(self) -> bool:
+        """Until the gateway's /health answers 200; False if it exits or never does."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        url = self.gateway_url + "/health"
+        while time.monotonic() < deadline and not self.stopping:
+            if self.gateway is None or self.gateway.poll() is not None:
+                log.error("the gateway exited during start-up")
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as reply:
+                    if reply.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        if not self.stopping:
+            log.error("the gateway did not become ready within %.0f s", READY_TIMEOUT_S)
+        return False
+
+    def _restart_dead_gateway(self) -> None:
+        gateway = self.gateway
+        if gateway is None or gateway.poll() is None or self.workers_stopping:
+            return
+        now = time.monotonic()
+        if self.gateway_restart_at is None:
+            log.warning("the gateway exited with %s: restarting in 1 s", gateway.returncode)
+            self.gateway_restart_at = now + 1.0
+        elif now >= self.gateway_restart_at:
+            self.gateway_restart_at = None
+            self.gateway = self._spawn("gateway")
 
     def _restart_dead_workers(self) -> bool:
         """Restart dead workers; False when one keeps failing before the server was ready."""
@@ -170,6 +229,7 @@ class Supervisor:
                 log.error("the scheduler exited with %s", self.scheduler.returncode)
                 return 1
             self._restart_dead_workers()
+            self._restart_dead_gateway()
             time.sleep(0.2)
         return 0
 
@@ -185,7 +245,7 @@ class Supervisor:
                 self._restart_dead_workers()
                 time.sleep(0.1)
         self.workers_stopping = True
-        procs = [p for p in (scheduler, *self.workers.values()) if p is not None]
+        procs = [p for p in (scheduler, self.gateway, *self.workers.values()) if p is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -198,6 +258,8 @@ class Supervisor:
                 proc.wait()
 
 
-def run_serve(server: ServerConfig, config: SchedulerConfig) -> int:
+def run_serve(
+    server: ServerConfig, config: SchedulerConfig, gateway: GatewayConfig | None = None
+) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return Supervisor(server, config).run()
+    return Supervisor(server, config, gateway).run()

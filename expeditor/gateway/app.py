@@ -1,0 +1,339 @@
+"""The gateway's FastAPI application: OpenAI routes in front of the scheduler, reached
+through one :class:`~ipc.async_client.AsyncClient` (one connection, many requests).
+
+Every error is an OpenAI error object with a fitting status: 400 for a bad request
+(naming the field), 401 without the API key, 404 for an unknown model or route, 413
+for a body over ``max_body_bytes``, 429 when the scheduler's queue is full, 503 while
+it starts, shuts down, has no worker or does not answer. A client that disconnects
+aborts its requests at once (their KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from expeditor.gateway.completions import ChatHandler, CompletionHandler
+from expeditor.gateway.http import (
+    ClientGone,
+    EventStreamResponse,
+    check_api_key,
+    read_body,
+    unless_gone,
+)
+from expeditor.gateway.metrics import render_metrics
+from expeditor.gateway.model import ServedModel
+from expeditor.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GatewayRequestError,
+    TokenizeRequest,
+    decode_body,
+)
+from expeditor.gateway.responses import error_body, json_bytes
+from ipc.async_client import AsyncClient
+from ipc.errors import (
+    ClientClosedError,
+    ClientTimeoutError,
+    OverloadedError,
+    QuarantinedError,
+    ServerError,
+    ServerUnavailableError,
+    ShuttingDownError,
+    WorkerLostError,
+)
+from ipc.schema import HealthState
+from shared.gateway_config import GatewayConfig
+
+__all__ = ["Gateway", "create_app"]
+
+log = logging.getLogger("expeditor.gateway")
+
+CONTROL_TIMEOUT_S = 5.0
+"""How long /health, /metrics and the model lookup wait for the scheduler."""
+INLINE_TOKENIZE_CHARS = 16_384
+"""Longer chat prompts are tokenized on a thread, off the event loop."""
+
+
+class Gateway:
+    """State shared by the routes: the scheduler client and the served model."""
+
+    def __init__(
+        self,
+        frontend: str,
+        config: GatewayConfig,
+        *,
+        api_key: str | None = None,
+        curve: dict[str, bytes] | None = None,
+    ) -> None:
+        self.frontend = frontend
+        self.config = config
+        self.api_key = api_key.encode() if api_key else None
+        self.curve = curve or {}
+        self.client: AsyncClient | None = None
+        self.model: ServedModel | None = None
+        self._model_lock = asyncio.Lock()
+
+    def start(self) -> None:
+        timeout = self.config.scheduler_timeout_s
+        self.client = AsyncClient(
+            self.frontend,
+            timeout=None,
+            ping_interval=min(1.0, timeout / 3),
+            server_timeout_s=timeout,
+            **self.curve,  # type: ignore[arg-type]  # the three CURVE keyword arguments
+        )
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def served_model(self) -> ServedModel:
+        """The model, looked up once the scheduler has a worker (503 before)."""
+        if self.model is not None:
+            return self.model
+        async with self._model_lock:
+            if self.model is None:
+                assert self.client is not None
+                reply = await self.client.inspect(timeout=CONTROL_TIMEOUT_S)
+                if reply.snapshot is None:
+                    raise GatewayRequestError(
+                        "the server is starting: no worker has registered yet",
+                        status=503,
+                        kind="ServiceUnavailableError",
+                    )
+                self.model = await asyncio.to_thread(
+                    ServedModel.from_inspect,
+                    reply,
+                    self.config.served_model_name,
+                    self.config.chat_template,
+                )
+                log.info("serving %s as %r", self.model.path, self.model.name)
+            return self.model
+
+    def check_model(self, model: ServedModel, name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise GatewayRequestError(
+                f"The model `{name}` does not exist; this server serves `{model.name}`.",
+                status=404,
+                param="model",
+                kind="NotFoundError",
+            )
+
+    async def encode(self, model: ServedModel, text: str, *, special: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return model.encode(text, add_special_tokens=special)
+        return await asyncio.to_thread(model.encode, text, add_special_tokens=special)
+
+
+def _error_response(exc: Exception) -> Response:
+    """The OpenAI error object for anything a route raised."""
+    status, kind, param = 500, "InternalServerError", None
+    message = str(exc)
+    if isinstance(exc, GatewayRequestError):
+        status, kind, param, message = exc.status, exc.kind, exc.param, exc.message
+    elif isinstance(exc, OverloadedError):
+        status, kind = 429, "overloaded"
+        message = exc.message
+    elif isinstance(exc, ShuttingDownError | WorkerLostError):
+        status, kind, message = 503, "ServiceUnavailableError", exc.message
+    elif isinstance(exc, QuarantinedError):
+        status, kind, message = 500, "InternalServerError", exc.message
+    elif isinstance(exc, ServerError):
+        status = 500 if exc.code == "internal" else 400
+        kind = "InternalServerError" if status == 500 else "BadRequestError"
+        message = exc.message
+    elif isinstance(exc, ServerUnavailableError | ClientClosedError | ClientTimeoutError):
+        status, kind = 503, "ServiceUnavailableError"
+        message = f"the scheduler does not answer: {exc}"
+    else:
+        log.exception("a request failed", exc_info=exc)
+        message = "the gateway failed to handle this request"
+    body = json_bytes(error_body(message, kind, status, param))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(json_bytes(body), status_code=status, media_type="application/json")
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The FastAPI application serving ``gateway``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="expeditor", lifespan=lifespan, docs_url=None, redoc_url=None)
+    limit = gateway.config.max_body_bytes
+
+    async def _generate(request: Request, kind: type[Any], handler_type: type[Any]) -> Any:
+        check_api_key(request, gateway.api_key)
+        body = decode_body(await read_body(request, limit), kind)
+        model = await gateway.served_model()
+        gateway.check_model(model, body.model)
+        assert gateway.client is not None
+        handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
+        await handler.prepare()
+        try:
+            if body.stream:
+                # The first event is awaited here, so that a request the scheduler
+                # refuses gets its HTTP error status rather than an error event.
+                events = handler.stream()
+                first = await unless_gone(request, anext(events))
+                return EventStreamResponse(_prepend(first, events))
+            return _json(await unless_gone(request, handler.complete()))
+        except ClientGone:
+            log.info("client gone: aborted %s", handler.response_id)
+            return Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _guard(_generate(request, CompletionRequest, CompletionHandler))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _guard(_generate(request, ChatCompletionRequest, ChatHandler))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            model = await gateway.served_model()
+            card = {
+                "id": model.name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "expeditor",
+                "root": model.path,
+                "parent": None,
+                "max_model_len": model.max_model_len,
+            }
+            return _json({"object": "list", "data": [card]})
+
+        return await _guard(work())
+
+    @app.get("/health")
+    async def health() -> Response:
+        assert gateway.client is not None
+        try:
+            status = await gateway.client.health(timeout=CONTROL_TIMEOUT_S)
+        except (ServerError, ServerUnavailableError, ClientTimeoutError, ClientClosedError):
+            return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
+        serving = status.status in (HealthState.OK, HealthState.DEGRADED)
+        body = {
+            "status": status.status.value,
+            "workers_ready": status.workers_ready,
+            "workers_expected": status.workers_expected,
+        }
+        return _json(body, 200 if serving and status.workers_ready > 0 else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        async def work() -> Response:
+            assert gateway.client is not None
+            reply = await gateway.client.metrics(timeout=CONTROL_TIMEOUT_S)
+            name = (
+                gateway.model.name
+                if gateway.model is not None
+                else (gateway.config.served_model_name or reply.model)
+            )
+            return Response(render_metrics(reply, name), media_type=CONTENT_TYPE_LATEST)
+
+        return await _guard(work())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            body = decode_body(await read_body(request, limit), TokenizeRequest)
+            model = await gateway.served_model()
+            gateway.check_model(model, body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
+            if body.messages is not None:
+                template = _template_of(model)
+                text = template.render(
+                    body.messages, add_generation_prompt=body.add_generation_prompt
+                )
+                tokens = await gateway.encode(model, text, special=False)
+            else:
+                assert body.prompt is not None
+                tokens = await gateway.encode(model, body.prompt, special=body.add_special_tokens)
+            return _json(
+                {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
+            )
+
+        return await _guard(work())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            body = decode_body(await read_body(request, limit), DetokenizeRequest)
+            model = await gateway.served_model()
+            gateway.check_model(model, body.model)
+            bad = [t for t in body.tokens if not 0 <= t < model.vocab_size]
+            if bad:
+                raise GatewayRequestError(
+                    f"tokens: ids outside the vocabulary (size {model.vocab_size}): {bad[:5]}",
+                    param="tokens",
+                )
+            return _json({"prompt": model.decode(body.tokens)})
+
+        return await _guard(work())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return _json(error_body(message, kind, exc.status_code), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _json(error_body(str(exc), "BadRequestError", 400), 400)
+
+    return app
+
+
+def _template_of(model: ServedModel) -> Any:
+    if model.chat_template is None:
+        raise GatewayRequestError(
+            f"messages: {model.path} has no chat template; start the gateway with "
+            "--chat-template FILE",
+            param="messages",
+        )
+    return model.chat_template
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]  # an async generator
+
+
+async def _guard(work: Any) -> Any:
+    """Await a route's work; any exception becomes an OpenAI error response."""
+    try:
+        return await work
+    except Exception as exc:
+        return _error_response(exc)

@@ -1,0 +1,148 @@
+"""Chat messages to a prompt: the checkpoint's Jinja chat template, rendered as
+transformers' ``apply_chat_template`` renders it (a sandboxed Jinja environment with
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now`` and a
+``tojson`` that keeps non-ASCII), without loading transformers into the gateway.
+
+The template comes from ``--chat-template FILE``, else the checkpoint's
+``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string, or
+a list of named templates of which ``default`` is used).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from expeditor.gateway.protocol import GatewayRequestError
+
+__all__ = ["ChatTemplate", "load_chat_template"]
+
+_SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _raise(message: str) -> NoReturn:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self.source = source
+        self.special_tokens = special_tokens
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.source)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text; a bad message or a template error is a 400."""
+        checked = [_check_message(index, m) for index, m in enumerate(messages)]
+        if continue_final_message and add_generation_prompt:
+            raise GatewayRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt",
+                param="continue_final_message",
+            )
+        context = {**self.special_tokens, **(extra or {})}
+        try:
+            text = self._template.render(
+                messages=checked, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise GatewayRequestError(f"messages: the chat template refused them: {exc}") from None
+        if continue_final_message:
+            final = checked[-1].get("content") or ""
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise GatewayRequestError(
+                    "continue_final_message: the final message is not in the rendered prompt",
+                    param="continue_final_message",
+                )
+            text = text[: cut + len(final)]
+        return text
+
+
+def _check_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A message with string content: text parts joined by newlines; other parts (images,
+    audio) refused."""
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise GatewayRequestError(
+            f"messages[{index}].role: expected a non-empty string, got {role!r}",
+            param="messages",
+        )
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, list):
+        raise GatewayRequestError(
+            f"messages[{index}].content: expected a string or a list of parts",
+            param="messages",
+        )
+    texts = []
+    for part_index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise GatewayRequestError(
+                f"messages[{index}].content[{part_index}]: only text parts are supported "
+                f"(this server takes no multimodal input), got type {kind!r}",
+                param="messages",
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def load_chat_template(
+    model_dir: str | Path, override: str | Path | None = None
+) -> ChatTemplate | None:
+    """The checkpoint's chat template (or ``override``, a file); None if it has none."""
+    model_dir = Path(model_dir)
+    config: dict[str, Any] = {}
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    special = {
+        name: text for name in _SPECIAL if (text := _token_text(config.get(name))) is not None
+    }
+    if override:
+        return ChatTemplate(Path(override).read_text(encoding="utf-8"), special)
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), special)
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if isinstance(source, str) and source:
+        return ChatTemplate(source, special)
+    return None

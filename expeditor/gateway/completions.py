@@ -1,0 +1,396 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: one handler per HTTP request, which
+turns the body into scheduler requests (one per prompt; ``n`` samples each) and their
+results into an OpenAI response, whole or streamed.
+
+Choice ``index`` is ``prompt_index * n + sample_index``. Streaming sends one chunk per
+sample and step with new text, the finish reason on the sample's last chunk, then
+(with ``stream_options.include_usage``) a chunk with ``choices: []`` and ``usage``, then
+``data: [DONE]``. A failure after the first chunk is sent as an error event before
+``[DONE]``; one before it is the HTTP error itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from expeditor.gateway.model import ServedModel
+from expeditor.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GatewayRequestError,
+)
+from expeditor.gateway.responses import (
+    DONE,
+    add_usage,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    sse,
+)
+from ipc.async_client import AsyncClient, ClientCompletion
+from ipc.errors import OverloadedError, ServerError
+from ipc.schema import Delta, Usage
+from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from expeditor.gateway.app import Gateway
+
+__all__ = ["ChatHandler", "CompletionHandler"]
+
+Prompt = tuple[str | None, list[int] | None]
+"""(text, token ids): exactly one is set."""
+
+
+class _Handler:
+    ID_PREFIX: ClassVar[str]
+    OBJECT: ClassVar[str]
+    CHUNK_OBJECT: ClassVar[str]
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        model: ServedModel,
+        body: CompletionRequest | ChatCompletionRequest,
+        response_id: str,
+    ) -> None:
+        self.gateway = gateway
+        assert gateway.client is not None
+        self.client: AsyncClient = gateway.client
+        self.model = model
+        self.body = body
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.params = SamplingParams()
+        self.prompts: list[Prompt] = []
+        self.usages: list[Usage | None] = []
+        self.prompt_tokens: list[int] = []
+        """Prompt length per prompt, once the scheduler accepted it (streaming usage)."""
+
+    async def prepare(self) -> None:
+        """Check the body and build the prompts (400s are raised here)."""
+        raise NotImplementedError
+
+    # -- running the scheduler requests ------------------------------------------------
+
+    def _request_id(self, index: int) -> str:
+        return f"{self.response_id}-{index}"
+
+    async def _generate(self, index: int) -> ClientCompletion:
+        text, token_ids = self.prompts[index]
+        return await self.client.generate(
+            text,
+            prompt_token_ids=token_ids,
+            request_id=self._request_id(index),
+            priority=self.body.priority,
+            sampling=self.params,
+            timeout=None,
+        )
+
+    async def complete(self) -> dict[str, Any]:
+        """Run every prompt to the end; the whole response body."""
+        async with asyncio.TaskGroup() as group:  # one failure cancels (aborts) the rest
+            tasks = [group.create_task(self._generate(i)) for i in range(len(self.prompts))]
+        results = [task.result() for task in tasks]
+        choices = []
+        for prompt_index, result in enumerate(results):
+            for sample in result.samples:
+                choices.append(
+                    self._choice(
+                        prompt_index * self.params.n + sample.index,
+                        prompt_index,
+                        sample.text,
+                        sample.token_ids,
+                        sample.logprobs,
+                        str(sample.finish_reason),
+                    )
+                )
+        choices.sort(key=lambda choice: choice["index"])
+        return {
+            "id": self.response_id,
+            "object": self.OBJECT,
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+            "usage": add_usage([r.usage for r in results]),
+        }
+
+    async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(prompt index, Delta) of every prompt's stream, merged; ``usages`` filled."""
+        self.usages = [None] * len(self.prompts)
+        self.prompt_tokens = [0] * len(self.prompts)
+        if len(self.prompts) == 1:
+            async for delta in self._one_stream(0):
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in self._one_stream(index):
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, None))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.prompts))]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one_stream(self, index: int) -> AsyncIterator[Delta]:
+        text, token_ids = self.prompts[index]
+        stream = self.client.stream(
+            text,
+            prompt_token_ids=token_ids,
+            request_id=self._request_id(index),
+            priority=self.body.priority,
+            sampling=self.params,
+            timeout=None,
+        )
+        async with stream:  # leaving early (disconnect, error) aborts the request
+            async for delta in stream:
+                if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
+                    self.prompt_tokens[index] = len(stream.prompt_token_ids)
+                yield delta
+        assert stream.completion is not None
+        self.usages[index] = stream.completion.usage
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The SSE events. Errors before the first event are raised (the caller answers
+        with an HTTP error); later ones become an error event."""
+        started = False
+        n = self.params.n
+        completion_tokens = [0] * (len(self.prompts) * n)
+        try:
+            async for prompt_index, delta in self._events():
+                index = prompt_index * n + delta.index
+                if not started:
+                    started = True
+                    for event in self._opening(prompt_index):
+                        yield event
+                completion_tokens[index] += len(delta.token_ids)
+                chunk = self._delta_chunk(index, prompt_index, delta)
+                if chunk is None:
+                    continue
+                if self.body.continuous_usage:
+                    chunk["usage"] = self._running_usage(completion_tokens)
+                yield sse(chunk)
+        except Exception as exc:
+            if not started:
+                raise
+            yield sse(_stream_error(exc))
+            yield DONE
+            return
+        if not started:  # every sample ended without text (yield the opening anyway)
+            for event in self._opening(0):
+                yield event
+        if self.body.include_usage:
+            yield sse({**self._chunk_head(), "choices": [], "usage": self._final_usage()})
+        yield DONE
+
+    def _running_usage(self, completion_tokens: list[int]) -> dict[str, Any]:
+        from expeditor.gateway.responses import usage_body
+
+        return usage_body(sum(self.prompt_tokens), sum(completion_tokens), 0)
+
+    def _final_usage(self) -> dict[str, Any]:
+        return add_usage([u for u in self.usages if u is not None])
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": self.CHUNK_OBJECT,
+            "created": self.created,
+            "model": self.model.name,
+        }
+
+    # -- per endpoint -------------------------------------------------------------------
+
+    def _opening(self, prompt_index: int) -> list[bytes]:
+        return []
+
+    def _choice(
+        self,
+        index: int,
+        prompt_index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        finish_reason: str,
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+
+def _stream_error(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, OverloadedError):
+        return error_body(exc.message, "overloaded", 429)
+    if isinstance(exc, ServerError):
+        return error_body(exc.message, str(exc.code), 503 if exc.code != "bad_request" else 400)
+    return error_body(f"the request failed: {exc}", "ServiceUnavailableError", 503)
+
+
+class CompletionHandler(_Handler):
+    ID_PREFIX = "cmpl-"
+    OBJECT = "text_completion"
+    CHUNK_OBJECT = "text_completion"
+    body: CompletionRequest
+
+    async def prepare(self) -> None:
+        self.params = self.body.check()
+        self.prompts = [
+            (p, None) if isinstance(p, str) else (None, list(p)) for p in self.body.prompts()
+        ]
+        self.echoed = [""] * len(self.prompts)
+        """The prompt text each choice starts with (echo), not sent yet when streaming."""
+        if self.body.echo:
+            self.echoed = [
+                text if text is not None else self.model.decode(ids or [])
+                for text, ids in self.prompts
+            ]
+        self.echo_pending = set(range(len(self.prompts) * self.params.n))
+        n = self.params.n
+        self.text_offsets = [len(self.echoed[i // n]) for i in range(len(self.prompts) * n)]
+        """Per choice: where its next token's text starts (the logprobs' text_offset)."""
+
+    def _choice(
+        self,
+        index: int,
+        prompt_index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        finish_reason: str,
+    ) -> dict[str, Any]:
+        echoed = self.echoed[prompt_index]
+        return {
+            "index": index,
+            "text": echoed + text,
+            "logprobs": None
+            if logprobs is None
+            else completion_logprobs(token_ids, logprobs, self.model.token_text, len(echoed)),
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
+
+    def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
+        text = delta.text
+        if index in self.echo_pending:
+            self.echo_pending.discard(index)
+            text = self.echoed[prompt_index] + text
+        if not text and delta.finish_reason is None and delta.logprobs is None:
+            return None
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(
+                delta.token_ids, delta.logprobs, self.model.token_text, self.text_offsets[index]
+            )
+            self.text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        reason = None if delta.finish_reason is None else str(delta.finish_reason)
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
+        return {**self._chunk_head(), "choices": [choice]}
+
+
+class ChatHandler(_Handler):
+    ID_PREFIX = "chatcmpl-"
+    OBJECT = "chat.completion"
+    CHUNK_OBJECT = "chat.completion.chunk"
+    body: ChatCompletionRequest
+
+    async def prepare(self) -> None:
+        body = self.body
+        self.params = body.check()
+        template = self.model.chat_template
+        if template is None:
+            raise GatewayRequestError(
+                f"messages: {self.model.path} has no chat template; start the gateway with "
+                "--chat-template FILE",
+                param="messages",
+            )
+        text = template.render(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            extra=body.chat_template_kwargs,
+        )
+        token_ids = await self.gateway.encode(self.model, text, special=False)
+        if not token_ids:
+            raise GatewayRequestError("messages: the rendered prompt is empty", param="messages")
+        self.prompts = [(None, token_ids)]
+        self.top_n = body.top_logprobs or 0
+
+    def _opening(self, prompt_index: int) -> list[bytes]:
+        head = self._chunk_head()
+        return [
+            sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            for index in range(self.params.n)
+        ]
+
+    def _choice(
+        self,
+        index: int,
+        prompt_index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        finish_reason: str,
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None
+            if logprobs is None
+            else chat_logprobs(token_ids, logprobs, self.model.token_text, self.top_n),
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
+
+    def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and delta.logprobs is None:
+            return None
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = chat_logprobs(
+                delta.token_ids, delta.logprobs, self.model.token_text, self.top_n
+            )
+        choice = {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": logprobs,
+            "finish_reason": None if delta.finish_reason is None else str(delta.finish_reason),
+        }
+        return {**self._chunk_head(), "choices": [choice]}

@@ -1,0 +1,127 @@
+"""HTTP plumbing of the gateway that is not OpenAI-specific: reading a bounded body,
+the API key check, watching for a client that goes away, and the server-sent-events
+response that stops (and so aborts the request) the moment its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from expeditor.gateway.protocol import GatewayRequestError
+
+__all__ = ["ClientGone", "EventStreamResponse", "check_api_key", "read_body", "unless_gone"]
+
+_T = TypeVar("_T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when it is (or says it will be) larger than ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> GatewayRequestError:
+    return GatewayRequestError(
+        f"the body is {size}+ bytes; this server takes at most max_body_bytes={limit}",
+        status=413,
+        kind="RequestTooLargeError",
+    )
+
+
+def check_api_key(request: Request, key: bytes | None) -> None:
+    """401 unless the request carries ``Authorization: Bearer <key>`` (compared in
+    constant time); nothing to check when no key is set."""
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    if not hmac.compare_digest(given, key):
+        raise GatewayRequestError(
+            "missing or wrong API key: send Authorization: Bearer <key>",
+            status=401,
+            kind="AuthenticationError",
+        )
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """Run ``work`` (a coroutine) unless the client disconnects first: then cancel it
+    (which aborts its scheduler requests) and raise :class:`ClientGone`. Call after the
+    body was read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response from an async iterator of ready-made event
+    bytes. The iterator is closed (its ``finally`` blocks run: requests are aborted) as
+    soon as the client disconnects, even while nothing is being sent."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            aclose: Any = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]  # checked just above
+
+    async def _pump(self, send: Send) -> None:
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,82 @@
+"""What the gateway knows of the served model: its name in the API, the checkpoint's
+tokenizer (for chat prompts, echo, logprob tokens, /tokenize and /detokenize), its chat
+template and its context length. Read from the scheduler's ``inspect`` once a worker
+has registered, so the gateway always describes the checkpoint the scheduler serves."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from expeditor.gateway.chat import ChatTemplate, load_chat_template
+from ipc.schema import InspectReply
+
+__all__ = ["ServedModel"]
+
+TOKEN_TEXT_CACHE = 65_536
+"""Token id -> text entries kept for logprobs (a vocabulary is usually smaller)."""
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    max_model_len: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_inspect(
+        cls, reply: InspectReply, served_name: str, chat_template_file: str
+    ) -> ServedModel:
+        path = reply.model
+        tokenizer_file = Path(path) / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: the gateway reads the tokenizer of the "
+                "checkpoint the scheduler serves, at the same path"
+            )
+        max_len = reply.config.get("max_model_len")
+        if not isinstance(max_len, int):
+            max_len = _config_max_len(Path(path))
+        return cls(
+            name=served_name or path,
+            path=path,
+            tokenizer=Tokenizer.from_file(str(tokenizer_file)),
+            chat_template=load_chat_template(path, chat_template_file or None),
+            max_model_len=max_len,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < TOKEN_TEXT_CACHE:
+                self._token_texts[token_id] = text
+        return text
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _config_max_len(model_dir: Path) -> int | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None

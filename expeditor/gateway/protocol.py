@@ -1,0 +1,277 @@
+"""The OpenAI request bodies the gateway accepts, decoded and checked with msgspec, and
+their translation into :class:`~shared.sampling.SamplingParams`.
+
+Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``priority``: lower is served first). Unknown fields
+are ignored, as the OpenAI API does; known features this server does not implement
+(penalties, ``logit_bias``, ``suffix``, tools, structured output) are refused with a
+400 naming the field rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "GatewayRequestError",
+    "StreamOptions",
+    "TokenizeRequest",
+    "decode_body",
+]
+
+
+class GatewayRequestError(Exception):
+    """A request the gateway refuses before it reaches the scheduler (HTTP ``status``)."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, param: str | None = None, kind: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.kind = kind or {400: "BadRequestError", 404: "NotFoundError"}.get(
+            status, "BadRequestError"
+        )
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM: usage on every chunk (accepted, and honoured)."""
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    # known but not implemented: refused unless neutral
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def _refuse_unsupported(self) -> None:
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise GatewayRequestError(
+                    f"{name}: not supported by this server (only {neutral} is)", param=name
+                )
+        if self.logit_bias:
+            raise GatewayRequestError(
+                "logit_bias: not supported by this server", param="logit_bias"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise GatewayRequestError(
+                f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}",
+                param="best_of",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise GatewayRequestError(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The scheduler's SamplingParams; its validation errors name the field."""
+        self._refuse_unsupported()
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "n": self.n,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "seed": self.seed,
+        }
+        if self.temperature is not None:
+            fields["temperature"] = self.temperature
+        if self.top_p is not None:
+            fields["top_p"] = self.top_p
+        if self.top_k is not None:
+            fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM: -1 = off
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.stop_token_ids is not None:
+            fields["stop_token_ids"] = self.stop_token_ids
+        try:
+            return SamplingParams(**fields)
+        except InvalidRequestError as exc:
+            raise GatewayRequestError(str(exc), param=exc.field) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Any]
+    """Text, token ids, or a batch: a list of texts or of token id lists."""
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids (a list of them is a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise GatewayRequestError("prompt: must not be empty", param="prompt")
+        if all(_is_token_id(item) for item in prompt):
+            return [prompt]
+        for index, item in enumerate(prompt):
+            if isinstance(item, str):
+                continue
+            if not isinstance(item, list) or not item or not all(map(_is_token_id, item)):
+                raise GatewayRequestError(
+                    f"prompt[{index}]: expected a string or a non-empty list of token ids "
+                    "(integers >= 0)",
+                    param="prompt",
+                )
+        return list(prompt)
+
+    def check(self) -> SamplingParams:
+        if self.suffix:
+            raise GatewayRequestError("suffix: not supported by this server", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise GatewayRequestError(
+                "echo: echo with logprobs needs the prompt's logprobs, which this server "
+                "does not compute; drop one of the two",
+                param="echo",
+            )
+        return self.sampling(self.max_tokens, self.logprobs)
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> SamplingParams:
+        if self.tools:
+            raise GatewayRequestError("tools: tool calling is not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise GatewayRequestError(
+                "tool_choice: tool calling is not supported", param="tool_choice"
+            )
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise GatewayRequestError(
+                "response_format: structured output is not supported (only type text)",
+                param="response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise GatewayRequestError(
+                "top_logprobs: needs logprobs set to true", param="top_logprobs"
+            )
+        if not self.messages:
+            raise GatewayRequestError("messages: must not be empty", param="messages")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise GatewayRequestError(
+                    "max_tokens: differs from max_completion_tokens; give one",
+                    param="max_tokens",
+                )
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self.sampling(max_tokens, logprobs)
+        except GatewayRequestError as exc:
+            if exc.param == "logprobs":  # the scheduler's field is our top_logprobs
+                exc.param = "top_logprobs"
+                exc.message = exc.message.replace("logprobs", "top_logprobs", 1)
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+                exc.message = exc.message.replace("max_tokens", "max_completion_tokens", 1)
+            raise GatewayRequestError(exc.message, param=exc.param) from None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: ``prompt`` text, or chat ``messages`` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _is_token_id(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode a JSON body into ``kind``; a malformed body or a wrong type is a 400 naming
+    the field (``max_tokens: expected `int`, got `str```)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise GatewayRequestError(f"the body is not valid JSON: {exc}") from None
+
+
+def _validation_error(text: str) -> GatewayRequestError:
+    problem, sep, where = text.partition(" - at `$")
+    if sep:
+        path = where.rstrip("`").lstrip(".")
+        field = path.split("[", 1)[0].split(".", 1)[0] or None
+        return GatewayRequestError(f"{path}: {problem[:1].lower()}{problem[1:]}", param=field)
+    if text.startswith("Object missing required field `"):
+        field = text.split("`")[1]
+        return GatewayRequestError(f"{field}: this field is required", param=field)
+    return GatewayRequestError(f"the body: {text}")

@@ -1,0 +1,119 @@
+"""OpenAI response bodies: completions and chat completions, whole or as server-sent
+event chunks (``data: {json}\\n\\n``, ending ``data: [DONE]\\n\\n``), usage and logprobs.
+
+Bodies are plain dicts encoded with msgspec's JSON encoder (fast, and the shapes stay
+readable next to the OpenAI reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ipc.schema import Usage
+
+__all__ = [
+    "DONE",
+    "chat_logprobs",
+    "completion_logprobs",
+    "error_body",
+    "sse",
+    "usage_body",
+]
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+TokenText = Callable[[int], str]
+"""A token id's text (decoded alone)."""
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``body``."""
+    return b"data: " + _encode(body) + b"\n\n"
+
+
+def json_bytes(body: dict[str, Any]) -> bytes:
+    return _encode(body)
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def add_usage(usages: list[Usage]) -> dict[str, Any]:
+    """The usage of a response made of several scheduler requests (a prompt batch)."""
+    return usage_body(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    entries: list[dict[int, float]],
+    text_of: TokenText,
+    offset: int,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for ``token_ids``; ``offset`` is the
+    character position of the first token in the choice's text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token, entry in zip(token_ids, entries, strict=False):
+        text = text_of(token)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token))
+        top.append({text_of(t): lp for t, lp in _ranked(entry)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], text_of: TokenText, top_n: int
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and the
+    ``top_n`` most likely tokens."""
+    content = []
+    for token, entry in zip(token_ids, entries, strict=False):
+        text = text_of(token)
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.get(token, float("-inf")),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": text_of(t),
+                        "logprob": lp,
+                        "bytes": list(text_of(t).encode("utf-8")),
+                    }
+                    for t, lp in _ranked(entry)[:top_n]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda item: -item[1])

@@ -1,0 +1,139 @@
+"""The HTTP gateway's settings: the ``[gateway]`` table, declared once (like
+:mod:`shared.server_config`; loading, env vars, flags and TOML derive from the
+declarations in :mod:`shared.config_fields`).
+
+The gateway reaches the scheduler at ``[server] frontend`` with the ``[server]`` CURVE
+client settings; this table holds what is its own: where it listens, its API key,
+its limits and its chat template.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from typing import Annotated, ClassVar
+
+from msgspec import Meta
+
+from shared.config_fields import Settings, load_settings, settings_to_toml
+from shared.errors import ConfigError
+
+__all__ = ["GatewayConfig", "is_loopback", "load_gateway_config", "parse_http_address"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is a loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class GatewayConfig(Settings, frozen=True):
+    """``expeditor gateway`` and ``expeditor serve --http``. Direct construction
+    validates too."""
+
+    TABLE: ClassVar[str] = "gateway"
+
+    host: Annotated[
+        str,
+        Meta(
+            description="Address to listen on; anything but loopback needs an API key "
+            "(api_key or api_key_file)."
+        ),
+    ] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535, description="TCP port to listen on.")] = 8000
+    api_key: Annotated[
+        str,
+        Meta(
+            description="Bearer token every request but /health and /metrics must carry "
+            "(Authorization: Bearer KEY); empty = none. Prefer api_key_file or the "
+            "EXPEDITOR_API_KEY variable to a flag, which other users can read in ps."
+        ),
+    ] = ""
+    api_key_file: Annotated[
+        str,
+        Meta(description="File holding the API key (surrounding whitespace ignored)."),
+    ] = ""
+    served_model_name: Annotated[
+        str,
+        Meta(
+            description="The model's name in the API (/v1/models, the model field); "
+            "empty = the checkpoint path the scheduler serves."
+        ),
+    ] = ""
+    chat_template: Annotated[
+        str,
+        Meta(
+            description="A Jinja chat template file for /v1/chat/completions; empty = the "
+            "checkpoint's own (tokenizer_config.json or chat_template.jinja)."
+        ),
+    ] = ""
+    max_body_bytes: Annotated[
+        int,
+        Meta(ge=1024, description="Largest request body; bigger ones get 413."),
+    ] = 4 * 1024 * 1024
+    scheduler_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="The scheduler silent this long while requests wait: they fail "
+            "with 503 (and /health says 503).",
+        ),
+    ] = 10.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.host:
+            raise ConfigError("host: must not be empty", field="host")
+        if self.api_key and self.api_key_file:
+            raise ConfigError("api_key: give api_key or api_key_file, not both", field="api_key")
+        if not is_loopback(self.host) and not (self.api_key or self.api_key_file):
+            raise ConfigError(
+                f"host: {self.host} is reachable from other machines; set an API key "
+                "(api_key_file, or the EXPEDITOR_API_KEY variable) or listen on 127.0.0.1",
+                field="host",
+            )
+
+    def read_api_key(self) -> str | None:
+        """The API key, read from ``api_key_file`` if that is set; None = no key."""
+        if self.api_key_file:
+            try:
+                key = open(self.api_key_file, encoding="utf-8").read().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"api_key_file: cannot read {self.api_key_file}: {exc.strerror}",
+                    field="api_key_file",
+                ) from None
+            if not key:
+                raise ConfigError(
+                    f"api_key_file: {self.api_key_file} is empty", field="api_key_file"
+                )
+            return key
+        return self.api_key or None
+
+
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ConfigError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--http: expected HOST:PORT, e.g. 127.0.0.1:8000, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def load_gateway_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> GatewayConfig:
+    """The gateway settings from file, environment and flags (flags > env > file)."""
+    return load_settings(GatewayConfig, path, env=env, overrides=overrides)
+
+
+def gateway_config_to_toml(cfg: GatewayConfig) -> str:
+    """``cfg`` as a commented ``[gateway]`` table."""
+    return settings_to_toml(cfg)
