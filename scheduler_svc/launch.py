@@ -19,6 +19,17 @@ def running_server(
     model: Path, *flags: str, timeout_s: float = 120.0
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yield (frontend address, the serve process); stop it with SIGTERM afterwards."""
+    with running_serve(model, *flags, timeout_s=timeout_s) as (lines, proc):
+        yield lines[0], proc
+
+
+@contextmanager
+def running_serve(
+    model: Path, *flags: str, lines: int = 1, timeout_s: float = 120.0
+) -> Iterator[tuple[list[str], subprocess.Popen[bytes]]]:
+    """Yield (the first ``lines`` lines serve prints, the serve process): the frontend
+    address, then with ``--http`` the gateway's URL (``lines=2``). Stopped with SIGTERM
+    afterwards."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [
@@ -38,7 +49,7 @@ def running_server(
     selector.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
     address = b""
-    while not address.endswith(b"\n"):
+    while address.count(b"\n") < lines:
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
             _, err = proc.communicate()
@@ -47,7 +58,7 @@ def running_server(
             chunk = os.read(proc.stdout.fileno(), 4096)
             address += chunk
     try:
-        yield address.decode().strip(), proc
+        yield address.decode().split("\n")[:lines], proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

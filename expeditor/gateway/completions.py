@@ -68,6 +68,7 @@ class _Handler:
         self.usages: list[Usage | None] = []
         self.prompt_tokens: list[int] = []
         """Prompt length per prompt, once the scheduler accepted it (streaming usage)."""
+        self.token_text = _token_id_text if body.return_tokens_as_token_ids else model.token_text
 
     async def prepare(self) -> None:
         """Check the body and build the prompts (400s are raised here)."""
@@ -91,9 +92,14 @@ class _Handler:
 
     async def complete(self) -> dict[str, Any]:
         """Run every prompt to the end; the whole response body."""
-        async with asyncio.TaskGroup() as group:  # one failure cancels (aborts) the rest
-            tasks = [group.create_task(self._generate(i)) for i in range(len(self.prompts))]
-        results = [task.result() for task in tasks]
+        tasks = [asyncio.ensure_future(self._generate(i)) for i in range(len(self.prompts))]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one failure (or a disconnect) cancels, so aborts, the rest
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         choices = []
         for prompt_index, result in enumerate(results):
             for sample in result.samples:
@@ -238,6 +244,10 @@ class _Handler:
         raise NotImplementedError
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def _stream_error(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, OverloadedError):
         return error_body(exc.message, "overloaded", 429)
@@ -284,7 +294,7 @@ class CompletionHandler(_Handler):
             "text": echoed + text,
             "logprobs": None
             if logprobs is None
-            else completion_logprobs(token_ids, logprobs, self.model.token_text, len(echoed)),
+            else completion_logprobs(token_ids, logprobs, self.token_text, len(echoed)),
             "finish_reason": finish_reason,
             "stop_reason": None,
         }
@@ -299,7 +309,7 @@ class CompletionHandler(_Handler):
         logprobs = None
         if delta.logprobs is not None:
             logprobs = completion_logprobs(
-                delta.token_ids, delta.logprobs, self.model.token_text, self.text_offsets[index]
+                delta.token_ids, delta.logprobs, self.token_text, self.text_offsets[index]
             )
             self.text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
         reason = None if delta.finish_reason is None else str(delta.finish_reason)
@@ -374,7 +384,7 @@ class ChatHandler(_Handler):
             "message": {"role": "assistant", "content": text},
             "logprobs": None
             if logprobs is None
-            else chat_logprobs(token_ids, logprobs, self.model.token_text, self.top_n),
+            else chat_logprobs(token_ids, logprobs, self.token_text, self.top_n),
             "finish_reason": finish_reason,
             "stop_reason": None,
         }
@@ -385,7 +395,7 @@ class ChatHandler(_Handler):
         logprobs = None
         if delta.logprobs is not None:
             logprobs = chat_logprobs(
-                delta.token_ids, delta.logprobs, self.model.token_text, self.top_n
+                delta.token_ids, delta.logprobs, self.token_text, self.top_n
             )
         choice = {
             "index": index,

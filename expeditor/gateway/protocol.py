@@ -67,6 +67,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    return_tokens_as_token_ids: bool = False
+    """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
     # known but not implemented: refused unless neutral
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -1,0 +1,282 @@
+"""The gateway's parts without processes: request decoding and checks, chat templates
+against transformers, the Prometheus rendering, the [gateway] settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from expeditor.gateway.chat import load_chat_template
+from expeditor.gateway.metrics import render_metrics
+from expeditor.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GatewayRequestError,
+    decode_body,
+)
+from gpu_worker.tiny_model import make_tiny_model
+from ipc.schema import HistogramData, MetricsReply, Usage
+from scheduler_svc.metrics import Histogram, RequestMetrics
+from shared.errors import ConfigError
+from shared.gateway_config import GatewayConfig, load_gateway_config, parse_http_address
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("units") / "llama", arch="llama")
+
+
+def _refused(body: bytes, kind: type = CompletionRequest) -> GatewayRequestError:
+    with pytest.raises(GatewayRequestError) as info:
+        decode_body(body, kind).check()
+    return info.value
+
+
+# -- request bodies ---------------------------------------------------------------------
+
+
+def test_completion_body_becomes_sampling_params() -> None:
+    body = decode_body(
+        b'{"prompt": [1, 2], "max_tokens": 5, "temperature": 0, "top_k": -1, '
+        b'"stop": "END", "stop_token_ids": [7], "min_tokens": 2, "ignore_eos": true, '
+        b'"seed": 3, "n": 2, "logprobs": 1, "priority": -4, "user": "ignored", "extra": 1}',
+        CompletionRequest,
+    )
+    params = body.check()
+    assert (params.max_tokens, params.temperature, params.top_k) == (5, 0.0, 0)
+    assert (params.stop, params.stop_token_ids, params.min_tokens) == (("END",), (7,), 2)
+    assert (params.ignore_eos, params.seed, params.n, params.logprobs) == (True, 3, 2, 1)
+    assert body.priority == -4 and body.prompts() == [[1, 2]]
+    default = decode_body(b'{"prompt": "hi"}', CompletionRequest).check()
+    assert default.max_tokens == 16 and default.temperature == 1.0
+
+
+def test_prompt_forms() -> None:
+    def prompts(raw: bytes) -> list:
+        return decode_body(raw, CompletionRequest).prompts()
+
+    assert prompts(b'{"prompt": "a"}') == ["a"]
+    assert prompts(b'{"prompt": ["a", [1, 2]]}') == ["a", [1, 2]]
+    assert prompts(b'{"prompt": [[3], [4, 5]]}') == [[3], [4, 5]]
+    for bad in (b'{"prompt": []}', b'{"prompt": [[1], 2]}', b'{"prompt": [[]]}',
+                b'{"prompt": [-1]}', b'{"prompt": [true]}', b'{"prompt": [{"a": 1}]}'):  # fmt: skip
+        with pytest.raises(GatewayRequestError) as info:
+            prompts(bad)
+        assert info.value.param == "prompt", bad
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "words"),
+    [
+        (b'{"prompt": "x", "max_tokens": "2"}', "max_tokens", "expected `int | null`"),
+        (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", ">= 1"),
+        (b'{"prompt": "x", "top_p": 1.5}', "top_p", "(0, 1]"),
+        (b'{"prompt": "x", "stop": [1]}', "stop", "expected `str`"),
+        (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty", "not supported"),
+        (b'{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty", "not supported"),
+        (b'{"prompt": "x", "logit_bias": {"5": 1}}', "logit_bias", "not supported"),
+        (b'{"prompt": "x", "best_of": 3}', "best_of", "best_of == n"),
+        (b'{"prompt": "x", "suffix": "y"}', "suffix", "not supported"),
+        (b'{"prompt": "x", "echo": true, "logprobs": 1}', "echo", "prompt's logprobs"),
+        (b'{"max_tokens": 1}', "prompt", "required"),
+        (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", ""),
+    ],
+)
+def test_bad_completion_bodies_name_the_field(raw: bytes, field: str, words: str) -> None:
+    error = _refused(raw)
+    assert error.status == 400 and error.param == field
+    assert error.message.startswith(field) and words in error.message
+
+
+def test_chat_body_checks() -> None:
+    messages = b'"messages": [{"role": "user", "content": "hi"}]'
+    body = decode_body(
+        b"{" + messages + b', "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2}',
+        ChatCompletionRequest,
+    )
+    params = body.check()
+    assert (params.max_tokens, params.logprobs) == (9, 2)
+    assert decode_body(b"{" + messages + b"}", ChatCompletionRequest).check().max_tokens is None
+    assert decode_body(b"{" + messages + b', "logprobs": true}', ChatCompletionRequest).check(
+    ).logprobs == 0  # fmt: skip
+    for extra, field in (
+        (b', "top_logprobs": 2', "top_logprobs"),
+        (b', "logprobs": true, "top_logprobs": 99', "top_logprobs"),
+        (b', "max_completion_tokens": 0', "max_completion_tokens"),
+        (b', "max_tokens": 3, "max_completion_tokens": 4', "max_tokens"),
+        (b', "tools": [{"type": "function"}]', "tools"),
+        (b', "response_format": {"type": "json_object"}', "response_format"),
+    ):
+        error = _refused(b"{" + messages + extra + b"}", ChatCompletionRequest)
+        assert error.param == field and error.message.startswith(field), (extra, error.message)
+    assert _refused(b'{"messages": []}', ChatCompletionRequest).param == "messages"
+
+
+def test_malformed_json_is_a_400() -> None:
+    error = _refused(b'{"prompt": ')
+    assert error.status == 400 and "not valid JSON" in error.message
+
+
+# -- chat templates ---------------------------------------------------------------------
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": 'Ünïcödé and "quotes"'},
+    ],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers_does(
+    model: Path, conversation: list, generation_prompt: bool
+) -> None:
+    template = load_chat_template(model)
+    assert template is not None
+    want = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    got = template.render(conversation, add_generation_prompt=generation_prompt)
+    assert got == want
+
+
+def test_text_parts_are_joined_and_other_parts_refused(model: Path) -> None:
+    template = load_chat_template(model)
+    assert template is not None
+    text_parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parts = [{"role": "user", "content": text_parts}]
+    assert template.render(parts) == template.render([{"role": "user", "content": "a\nb"}])
+    with pytest.raises(GatewayRequestError, match="only text parts"):
+        template.render([{"role": "user", "content": [{"type": "input_audio"}]}])
+    with pytest.raises(GatewayRequestError, match="role"):
+        template.render([{"content": "no role"}])
+
+
+def test_chat_template_override_and_missing_template(model: Path, tmp_path: Path) -> None:
+    override = tmp_path / "t.jinja"
+    override.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    template = load_chat_template(model, override)
+    assert template is not None
+    assert template.render([{"role": "user", "content": "x"}]) == "[user]x"
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert load_chat_template(tmp_path) is None
+    refusing = tmp_path / "r.jinja"
+    refusing.write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(GatewayRequestError, match="no system role"):
+        load_chat_template(model, refusing).render([{"role": "user", "content": "x"}])
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_histogram_buckets_are_upper_bounds_inclusive() -> None:
+    histogram = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 1.0, 3.0):
+        histogram.observe(value)
+    data = histogram.data()
+    assert data.counts == [2, 2, 1] and data.count == 5
+    assert data.sum == pytest.approx(4.65)
+    with pytest.raises(ValueError):
+        Histogram((1.0, 0.5))
+
+
+def test_request_metrics_count_what_they_are_told() -> None:
+    metrics = RequestMetrics()
+    metrics.on_scheduled(10)
+    metrics.on_step(10, 1)
+    metrics.on_step(1, 1)
+    metrics.on_finished("length", 0.01, 0.02, 0.5)
+    metrics.on_finished("abort", 0.3, None, 0.3)  # aborted before its first token
+    assert (metrics.prompt_tokens, metrics.generation_tokens) == (10, 2)
+    assert dict(metrics.request_success) == {"length": 1, "abort": 1}
+    hist = metrics.histograms()
+    assert hist["time_to_first_token_seconds"].count == 1
+    assert hist["e2e_request_latency_seconds"].count == 2
+    assert hist["iteration_tokens_total"].sum == 11
+
+
+def test_rendered_metrics_parse_with_cumulative_buckets() -> None:
+    reply = MetricsReply(
+        model="m",
+        num_requests_running=2,
+        num_requests_waiting=3,
+        num_requests_swapped=1,
+        kv_cache_usage_perc=0.25,
+        cpu_swap_usage_perc=0.5,
+        num_preemptions={"swap": 4, "recompute": 1},
+        prompt_tokens=100,
+        generation_tokens=50,
+        prefix_cache_queries=100,
+        prefix_cache_hits=32,
+        request_success={"stop": 2, "length": 5},
+        histograms={
+            "time_to_first_token_seconds": HistogramData(
+                bounds=[0.1, 1.0], counts=[3, 1, 2], sum=9.5, count=6
+            )
+        },
+    )
+    text = render_metrics(reply, "served").decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    model = (("model_name", "served"),)
+    assert samples[("expeditor:num_requests_waiting", model)] == 3
+    assert samples[("expeditor:kv_cache_usage_perc", model)] == 0.25
+    assert samples[("expeditor:prefix_cache_hits_total", model)] == 32
+    assert samples[("expeditor:num_preemptions_total", (("mode", "swap"), *model))] == 4
+    success = (("finished_reason", "abort"), *model)
+    assert samples[("expeditor:request_success_total", success)] == 0
+    ttft = "expeditor:time_to_first_token_seconds"
+    assert samples[(f"{ttft}_bucket", (("le", "0.1"), *model))] == 3
+    assert samples[(f"{ttft}_bucket", (("le", "1.0"), *model))] == 4
+    assert samples[(f"{ttft}_bucket", (("le", "+Inf"), *model))] == 6
+    assert samples[(f"{ttft}_count", model)] == 6 and samples[(f"{ttft}_sum", model)] == 9.5
+
+
+def test_usage_is_backward_compatible() -> None:
+    old = msgspec.msgpack.encode({"prompt_tokens": 3, "completion_tokens": 4})
+    assert msgspec.msgpack.decode(old, type=Usage).cached_tokens == 0
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+def test_gateway_settings(tmp_path: Path) -> None:
+    assert GatewayConfig().host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="API key"):
+        GatewayConfig(host="0.0.0.0")
+    assert GatewayConfig(host="0.0.0.0", api_key="k").read_api_key() == "k"
+    with pytest.raises(ConfigError, match="not both"):
+        GatewayConfig(api_key="k", api_key_file="f")
+    key = tmp_path / "key"
+    key.write_text("  secret\n")
+    assert GatewayConfig(host="::", api_key_file=str(key)).read_api_key() == "secret"
+    key.write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        GatewayConfig(api_key_file=str(key)).read_api_key()
+    with pytest.raises(ConfigError, match="cannot read"):
+        GatewayConfig(api_key_file=str(tmp_path / "missing")).read_api_key()
+    with pytest.raises(ConfigError, match="port"):
+        GatewayConfig(port=70000)
+    toml = tmp_path / "x.toml"
+    toml.write_text('[server]\nmodel = ""\n[gateway]\nport = 9001\nmax_body_bytes = 4096\n')
+    loaded = load_gateway_config(toml, env={"EXPEDITOR_API_KEY": "from-env"})
+    assert (loaded.port, loaded.max_body_bytes, loaded.read_api_key()) == (9001, 4096, "from-env")
+
+
+def test_parse_http_address() -> None:
+    assert parse_http_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_http_address("[::1]:9") == ("::1", 9)
+    for bad in ("8000", "host:", ":80", "h:0", "h:99999", "h:x"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            parse_http_address(bad)
