@@ -35,6 +35,7 @@ INSTALLED_BINARY = "/usr/local/bin/expeditor"
 SCHEDULER_UNIT = "expeditor-scheduler.service"
 WORKER_TEMPLATE = "expeditor-worker@.service"
 WORKER_INSTANCE = "expeditor-worker@0.service"
+GATEWAY_UNIT = "expeditor-gateway.service"
 TARGET_UNIT = "expeditor.target"
 EXAMPLE_CONFIG = SYSTEMD_DIR / "expeditor.toml"
 
@@ -64,12 +65,14 @@ def _stand_in_command() -> str:
 def _stage_units(directory: Path) -> list[Path]:
     """Copy the units into ``directory`` ready for ``verify``; return the files to check."""
     command = _stand_in_command()
-    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, TARGET_UNIT):
+    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, GATEWAY_UNIT, TARGET_UNIT):
         text = (SYSTEMD_DIR / name).read_text()
         assert INSTALLED_BINARY in text or name == TARGET_UNIT, name
         (directory / name).write_text(text.replace(INSTALLED_BINARY, command))
     shutil.copyfile(directory / WORKER_TEMPLATE, directory / WORKER_INSTANCE)
-    return [directory / name for name in (SCHEDULER_UNIT, WORKER_INSTANCE, TARGET_UNIT)]
+    return [
+        directory / name for name in (SCHEDULER_UNIT, WORKER_INSTANCE, GATEWAY_UNIT, TARGET_UNIT)
+    ]
 
 
 def _verify(directory: Path, units: list[Path]) -> subprocess.CompletedProcess[str]:
@@ -86,7 +89,9 @@ def _verify(directory: Path, units: list[Path]) -> subprocess.CompletedProcess[s
     )
 
 
-_OUR_UNIT = re.compile(r"expeditor(-scheduler\.service|-worker@\S*\.service|\.target)")
+_OUR_UNIT = re.compile(
+    r"expeditor(-scheduler\.service|-worker@\S*\.service|-gateway\.service|\.target)"
+)
 
 
 def _lines_about_our_units(result: subprocess.CompletedProcess[str]) -> list[str]:
@@ -128,7 +133,7 @@ def test_enable_links_workers_to_the_target_and_the_scheduler(tmp_path: Path) ->
     assert SYSTEMCTL is not None
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
-    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, TARGET_UNIT):
+    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, GATEWAY_UNIT, TARGET_UNIT):
         shutil.copyfile(SYSTEMD_DIR / name, unit_dir / name)
     for units in ([TARGET_UNIT], ["expeditor-worker@1.service"]):
         subprocess.run(
@@ -147,6 +152,7 @@ def test_enable_links_workers_to_the_target_and_the_scheduler(tmp_path: Path) ->
     assert links == {
         f"multi-user.target.wants/{TARGET_UNIT}": f"/etc/systemd/system/{TARGET_UNIT}",
         f"{TARGET_UNIT}.wants/{SCHEDULER_UNIT}": f"/etc/systemd/system/{SCHEDULER_UNIT}",
+        f"{TARGET_UNIT}.wants/{GATEWAY_UNIT}": f"/etc/systemd/system/{GATEWAY_UNIT}",
         f"{TARGET_UNIT}.wants/expeditor-worker@0.service": template,
         f"{TARGET_UNIT}.wants/expeditor-worker@1.service": template,
         f"{SCHEDULER_UNIT}.wants/expeditor-worker@0.service": template,
@@ -206,7 +212,7 @@ def _example_document() -> dict[str, object]:
 
 def test_example_config_parses() -> None:
     document = _example_document()
-    assert set(document) == {"server", "scheduler"}
+    assert set(document) == {"server", "scheduler", "gateway"}
     assert document["server"] == {
         "model": "",
         "frontend": "ipc:///run/expeditor/frontend.sock",
@@ -223,6 +229,30 @@ def test_example_config_parses() -> None:
         "max_frame_bytes": 64 * 1024 * 1024,
         "max_prompt_bytes": 1024 * 1024,
     }
+
+
+def test_example_gateway_table_loads_with_the_defaults() -> None:
+    from shared.gateway_config import GatewayConfig, load_gateway_config
+
+    assert load_gateway_config(EXAMPLE_CONFIG, env={}) == GatewayConfig()
+
+
+@needs_systemd_analyze
+def test_gateway_unit_is_tied_to_the_scheduler(tmp_path: Path) -> None:
+    """Verified with the others above; here: it starts after the scheduler is ready and
+    stops with it, and verify notices when that tie names a unit that does not exist."""
+    settings = _unit_settings(GATEWAY_UNIT)
+    assert settings["BindsTo"] == [SCHEDULER_UNIT]
+    assert SCHEDULER_UNIT in settings["After"][0].split()
+    assert settings["Type"] == ["notify"] and settings["WantedBy"] == [TARGET_UNIT]
+    units = _stage_units(tmp_path)
+    gateway = tmp_path / GATEWAY_UNIT
+    gateway.write_text(
+        gateway.read_text().replace(f"BindsTo={SCHEDULER_UNIT}", "BindsTo=expeditor-nope.service")
+    )
+    result = _verify(tmp_path, units)
+    assert "expeditor-nope.service" in result.stdout + result.stderr
+    assert result.returncode != 0
 
 
 def test_example_scheduler_table_loads_with_the_defaults() -> None:
