@@ -143,6 +143,8 @@ class AsyncStream:
         self._operation = operation
         self._state = _StreamState.NEW
         self._queue: asyncio.Queue[Event] | None = None
+        self._held: Event | None = None
+        """An event :meth:`ready` took that is not a Delta: the next one iteration sees."""
         self._deadline: float | None = None
         self.request_id: str = request.request_id
         self.prompt_token_ids: list[int] | None = None
@@ -166,6 +168,24 @@ class AsyncStream:
     async def __aenter__(self) -> Self:
         await self._guarded(self._open())
         return self
+
+    def ready(self) -> list[Delta]:
+        """The Deltas that already arrived, taken without waiting (empty when none): a
+        consumer that fell behind can handle several steps' output at once. Anything
+        else (the end, an error) is left for the next iteration."""
+        deltas: list[Delta] = []
+        queue = self._queue
+        if self._state is not _StreamState.OPEN or queue is None:
+            return deltas
+        while self._held is None and not queue.empty():
+            event = queue.get_nowait()
+            if isinstance(event, Delta):
+                deltas.append(event)
+            elif isinstance(event, Accepted):
+                self.prompt_token_ids = event.prompt_token_ids
+            else:
+                self._held = event
+        return deltas
 
     async def __aexit__(
         self,
@@ -229,10 +249,15 @@ class AsyncStream:
             raise event
 
     async def _next_event(self) -> Event:
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
         queue = self._queue
         assert queue is not None
         if not queue.empty():  # whatever already arrived wins over the deadline
             return queue.get_nowait()
+        if self._deadline is None:
+            return await queue.get()
         async with asyncio.timeout_at(self._deadline):
             return await queue.get()
 

@@ -280,3 +280,84 @@ def test_parse_http_address() -> None:
     for bad in ("8000", "host:", ":80", "h:0", "h:99999", "h:x"):
         with pytest.raises(ConfigError, match="HOST:PORT"):
             parse_http_address(bad)
+
+
+# -- streams that fell behind --------------------------------------------------------------
+
+
+def test_merge_deltas_joins_each_samples_deltas_in_order() -> None:
+    from expeditor.gateway.completions import merge_deltas
+    from ipc.schema import Delta
+
+    def delta(index: int, token: int, text: str, lp: bool = True, reason=None) -> Delta:
+        logprobs = [{token: -0.5}] if lp else None
+        return Delta(request_id="r", index=index, token_ids=[token], text=text,
+                     finish_reason=reason, logprobs=logprobs)  # fmt: skip
+
+    merged = merge_deltas([delta(0, 1, "a"), delta(1, 7, "x"), delta(0, 2, "b", reason="length")])
+    assert [(d.index, d.token_ids, d.text, d.finish_reason) for d in merged] == [
+        (0, [1, 2], "ab", "length"),
+        (1, [7], "x", None),
+    ]
+    assert merged[0].logprobs == [{1: -0.5}, {2: -0.5}]
+    flush = Delta(request_id="r", index=0, token_ids=[], text="!", finish_reason="stop")
+    (only,) = merge_deltas([delta(0, 3, "c", lp=False), flush])
+    assert (only.token_ids, only.text, only.logprobs, only.finish_reason) == (
+        [3],
+        "c!",
+        None,
+        "stop",
+    )
+
+
+def test_stream_ready_takes_what_arrived_and_leaves_the_end() -> None:
+    import asyncio
+
+    from ipc.schema import Accepted, Delta, Finished, Generate, Timings
+    from ipc.stream import AsyncStream
+    from shared.outputs import Completion
+
+    class FakeClient:
+        def __init__(self) -> None:
+            self.queue: asyncio.Queue = asyncio.Queue()
+
+        def _ensure_started(self) -> None: ...
+
+        def _register(self, request_id: str) -> asyncio.Queue:
+            return self.queue
+
+        async def _send(self, message: object) -> None: ...
+
+        def _forget(self, request_id: str, queue: asyncio.Queue, *, abort: bool) -> None: ...
+
+        def _forget_threadsafe(self, request_id: str, queue: asyncio.Queue) -> None: ...
+
+    def delta(token: int) -> Delta:
+        return Delta(request_id="r", index=0, token_ids=[token], text=str(token))
+
+    async def scenario() -> tuple[list, list, list, object]:
+        client = FakeClient()
+        stream = AsyncStream(client, Generate(request_id="r", prompt="x", stream=True), None)
+        for event in (Accepted(request_id="r", prompt_token_ids=[5, 6]), delta(1), delta(2)):
+            client.queue.put_nowait(event)
+        first = [await stream.__anext__()]
+        ready = stream.ready()
+        assert stream.prompt_token_ids == [5, 6]
+        client.queue.put_nowait(delta(3))
+        client.queue.put_nowait(
+            Finished(
+                request_id="r",
+                completion=Completion(request_id="r", prompt_token_ids=[5, 6], samples=[]),
+                usage=Usage(prompt_tokens=2, completion_tokens=3),
+                timings=Timings(queue_s=0, ttft_s=0, total_s=0),
+            )
+        )
+        client.queue.put_nowait(delta(99))  # never seen: the stream ended before it
+        more = stream.ready()
+        assert stream.ready() == []  # the Finished is held, not lost
+        rest = [d async for d in stream]
+        return first, ready, more + rest, stream.completion
+
+    first, ready, tail, completion = asyncio.run(scenario())
+    assert [d.token_ids for d in first + ready + tail] == [[1], [2], [3]]
+    assert completion is not None and completion.usage.completion_tokens == 3

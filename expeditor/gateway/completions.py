@@ -171,7 +171,12 @@ class _Handler:
             async for delta in stream:
                 if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
                     self.prompt_tokens[index] = len(stream.prompt_token_ids)
-                yield delta
+                more = stream.ready()  # fell behind: one chunk per sample for all of it
+                if not more:
+                    yield delta
+                    continue
+                for merged in merge_deltas([delta, *more]):
+                    yield merged
         assert stream.completion is not None
         self.usages[index] = stream.completion.usage
 
@@ -242,6 +247,31 @@ class _Handler:
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
         raise NotImplementedError
+
+
+def merge_deltas(deltas: list[Delta]) -> list[Delta]:
+    """Consecutive Deltas as one per sample (in order of first appearance): tokens,
+    text and logprobs joined, the last one's finish reason."""
+    groups: dict[int, list[Delta]] = {}
+    for delta in deltas:
+        groups.setdefault(delta.index, []).append(delta)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        with_logprobs = [d.logprobs for d in group if d.logprobs is not None]
+        merged.append(
+            Delta(
+                request_id=group[0].request_id,
+                index=group[0].index,
+                token_ids=[t for d in group for t in d.token_ids],
+                text="".join(d.text for d in group),
+                finish_reason=group[-1].finish_reason,
+                logprobs=[e for lp in with_logprobs for e in lp] if with_logprobs else None,
+            )
+        )
+    return merged
 
 
 def _token_id_text(token_id: int) -> str:
@@ -394,9 +424,7 @@ class ChatHandler(_Handler):
             return None
         logprobs = None
         if delta.logprobs is not None:
-            logprobs = chat_logprobs(
-                delta.token_ids, delta.logprobs, self.token_text, self.top_n
-            )
+            logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.token_text, self.top_n)
         choice = {
             "index": index,
             "delta": {"content": delta.text} if delta.text else {},

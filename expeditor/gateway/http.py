@@ -11,11 +11,37 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from expeditor.gateway.protocol import GatewayRequestError
 
-__all__ = ["ClientGone", "EventStreamResponse", "check_api_key", "read_body", "unless_gone"]
+__all__ = [
+    "ClientGone",
+    "EventStreamResponse",
+    "RawSend",
+    "check_api_key",
+    "read_body",
+    "unless_gone",
+]
+
+RAW_SEND = "expeditor.raw_send"
+"""Scope key of the server's own ``send`` (see :class:`RawSend`)."""
+
+
+class RawSend:
+    """Outermost ASGI wrapper: keeps the server's ``send`` in the scope, so that an event
+    stream sends its chunks past the framework's per-message wrappers (they only watch
+    for the response start, which still goes through them). A long stream sends one
+    message per token; this is where its time went."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
 
 _T = TypeVar("_T")
 
@@ -106,7 +132,7 @@ class EventStreamResponse(Response):
                 ],
             }
         )
-        pump = asyncio.ensure_future(self._pump(send))
+        pump = asyncio.ensure_future(self._pump(scope.get(RAW_SEND, send)))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         try:
             await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -122,6 +148,8 @@ class EventStreamResponse(Response):
             raise pump.exception()  # type: ignore[misc]  # checked just above
 
     async def _pump(self, send: Send) -> None:
+        message: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
         async for event in self.events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            message["body"] = event  # the server copies the bytes out before returning
+            await send(message)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

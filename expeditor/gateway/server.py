@@ -14,6 +14,7 @@ import os
 import uvicorn
 
 from expeditor.gateway.app import Gateway, create_app
+from expeditor.gateway.http import RawSend
 from shared.gateway_config import GatewayConfig
 
 __all__ = ["run_gateway"]
@@ -54,7 +55,7 @@ def run_gateway(
     gateway = Gateway(frontend, config, api_key=api_key, curve=curve)
     server = _NotifyingServer(
         uvicorn.Config(
-            create_app(gateway),
+            RawSend(create_app(gateway)),
             host=config.host,
             port=config.port,
             loop=_loop(),
