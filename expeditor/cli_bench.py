@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -29,8 +30,15 @@ preemption); or a JSONL file of requests ({"prompt_token_ids" | "prompt_len",
 
 Targets: expeditor (the daemons via the client library, streaming); inprocess (the
 in-process engine); static (transformers generate on padded batches of max_num_seqs,
-each until its longest request ends); hf-cb (transformers' own continuous batching).
-A target may carry scheduler overrides: --target 'expeditor[preemption_mode=swap]'.
+each until its longest request ends); hf-cb (transformers' own continuous batching);
+openai:URL (any OpenAI-compatible server already running, e.g. expeditor serve --http,
+vLLM, transformers serve: streamed over HTTP, TTFT/ITL as its client sees them).
+A target may carry scheduler overrides: --target 'expeditor[preemption_mode=swap]'. An
+openai target takes options instead: api=completions|chat (token-id prompts with
+ignore_eos, or chat messages of the decoded prompts), model= (default: the first of
+GET /v1/models), api_key= (default $EXPEDITOR_API_KEY or $OPENAI_API_KEY),
+max_concurrency= (default: every request at its arrival time), e.g.
+--target 'openai:http://127.0.0.1:8000[api=chat,max_concurrency=8]'.
 """
 
 
@@ -43,7 +51,8 @@ def bench(
     target: Annotated[
         list[str] | None,
         typer.Option(
-            help="expeditor | inprocess | static | hf-cb, optionally NAME[k=v,...]; repeatable."
+            help="expeditor | inprocess | static | hf-cb | openai:URL, optionally "
+            "NAME[k=v,...]; repeatable."
         ),
     ] = None,
     num_requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 64,
@@ -65,6 +74,7 @@ def bench(
     config_overrides: dict[str, Any],
 ) -> None:
     from expeditor.bench.run import parse_target, report_json, run_bench, write_plots
+    from expeditor.bench.targets import TargetError
     from expeditor.bench.workloads import make_workload
 
     if num_requests < 1:
@@ -74,7 +84,7 @@ def bench(
         extra = {k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None}
         load = make_workload(workload, num_requests, seed, **extra)
     except (ValueError, OSError) as exc:
-        fail(str(exc))
+        fail(escape(str(exc)))
     checkpoint = _checkpoint(model)
     base = {k: v for k, v in config_overrides.items() if v is not None}
     console = Console(stderr=True)
@@ -87,7 +97,7 @@ def bench(
         transient=json_output,
     ) as progress:
         tasks = {
-            s.label: progress.add_task(s.label, total=len(load.requests), start=False)
+            s.label: progress.add_task(escape(s.label), total=len(load.requests), start=False)
             for s in specs
         }
         try:
@@ -100,8 +110,8 @@ def bench(
                 on_done=lambda label: progress.advance(tasks[label]),
                 on_start=lambda label: progress.start_task(tasks[label]),
             )
-        except ValueError as exc:
-            fail(str(exc))
+        except (ValueError, TargetError) as exc:
+            fail(escape(str(exc)))
     if json_output:
         print(report_json(load, [r for r, _ in results], seed=seed, model=checkpoint))
     else:
@@ -110,7 +120,13 @@ def bench(
         out.print(results_table(load.name, load.description, [r for r, _ in results]))
         for result, _ in results:
             if result.step_ms is not None:
-                out.print(f"{result.target}: {step_times_line(result.step_ms)}", highlight=False)
+                out.print(
+                    f"{result.target}: {step_times_line(result.step_ms)}",
+                    highlight=False,
+                    markup=False,
+                )
+            for note in result.notes:
+                out.print(f"{result.target}: {note}", highlight=False, markup=False)
     if plot is not None:
         for path in write_plots(results, plot):
             console.print(f"wrote {path}")
@@ -155,7 +171,7 @@ def results_table(name: str, description: str, results: list[Any]) -> Table:
     for r in results:
         kv = r.kv or {}
         table.add_row(
-            r.target,
+            escape(r.target),
             f"{r.request_throughput:.2f}",
             f"{r.output_throughput:.0f}",
             f"{r.output_throughput / base:.2f}x" if base else "-",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from expeditor.bench.metrics import TargetResult, compute_result
-from expeditor.bench.targets import RUNNERS, TARGETS, TargetRun
+from expeditor.bench.openai_target import parse_openai_target
+from expeditor.bench.targets import OPENAI, RUNNERS, TARGETS, TargetRun
 from expeditor.bench.workloads import Workload
 from shared.config import SCHEDULER_FIELDS, SchedulerConfig
 from shared.errors import ConfigError
@@ -23,11 +24,14 @@ BENCH_DEFAULTS: dict[str, Any] = {"num_gpu_blocks": 2048}
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """``NAME`` or ``NAME[key=value,...]``: a target with scheduler-config overrides."""
+    """``NAME`` or ``NAME[key=value,...]``: a target with scheduler-config overrides; or
+    ``openai:URL[key=value,...]``: a running server, whose ``options`` hold the URL and the
+    options of :func:`~expeditor.bench.openai_target.parse_openai_target`."""
 
     name: str
     overrides: dict[str, Any]
     label: str
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def _value(text: str) -> Any:
@@ -43,9 +47,14 @@ def _value(text: str) -> Any:
 
 
 def parse_target(text: str) -> TargetSpec:
+    if text.startswith(OPENAI + ":"):
+        options, label = parse_openai_target(text)
+        return TargetSpec(OPENAI, {}, label, options)
     name, _, rest = text.partition("[")
+    if name == OPENAI:
+        raise ValueError(f"target {text!r}: give the server's address, openai:URL")
     if name not in TARGETS:
-        raise ValueError(f"unknown target {name!r}; targets: {', '.join(TARGETS)}")
+        raise ValueError(f"unknown target {name!r}; targets: {', '.join(TARGETS)}, {OPENAI}:URL")
     overrides: dict[str, Any] = {}
     if rest:
         if not rest.endswith("]"):
@@ -62,7 +71,12 @@ def parse_target(text: str) -> TargetSpec:
 
 
 def target_config(workload: Workload, base: dict[str, Any], spec: TargetSpec) -> dict[str, Any]:
-    """Config for one target: bench defaults < workload hints < command line < target."""
+    """Config for one target: bench defaults < workload hints < command line < target.
+
+    An ``openai`` target gets its options instead: the server keeps its own settings.
+    """
+    if spec.name == OPENAI:
+        return dict(spec.options)
     config = {**BENCH_DEFAULTS, **workload.config, **base, **spec.overrides}
     try:
         SchedulerConfig(**config)
@@ -96,10 +110,22 @@ def run_bench(
             prefix_hit_rate=run.prefix_hit_rate,
             step_times=run.step_times,
         )
-        if run.notes:
-            result = msgspec.structs.replace(result, notes=[*result.notes, *run.notes])
+        notes = [*run.notes, *_unapplied(workload, base_config, spec)]
+        if notes:
+            result = msgspec.structs.replace(result, notes=[*result.notes, *notes])
         results.append((result, run))
     return results
+
+
+def _unapplied(workload: Workload, base: dict[str, Any], spec: TargetSpec) -> list[str]:
+    """Scheduler settings an ``openai`` target cannot apply to a server already running."""
+    if spec.name != OPENAI:
+        return []
+    settings = {**workload.config, **base}
+    if not settings:
+        return []
+    listed = ", ".join(f"{key}={value}" for key, value in settings.items())
+    return [f"scheduler settings not applied (the server keeps its own): {listed}"]
 
 
 def report_json(workload: Workload, results: list[TargetResult], *, seed: int, model: Path) -> str:

@@ -8,7 +8,11 @@
   request ends and returns as a whole (token times are the decode steps' times, the
   finish time is the batch's end);
 - ``hf-cb``: transformers' own continuous batching (``init_continuous_batching``
-  manager, paged attention), where the installed transformers has it.
+  manager, paged attention), where the installed transformers has it;
+- ``openai:URL``: any OpenAI-compatible HTTP server that is already running
+  (``expeditor serve --http``, vLLM, SGLang, ``transformers serve``), streaming over
+  HTTP; options ``openai:URL[api=chat,model=...,api_key=...,max_concurrency=N]``
+  (:mod:`expeditor.bench.openai_target`).
 
 Every target reports per-request timelines on the ``time.perf_counter`` clock.
 torch and transformers are imported inside the functions: the scheduler process never
@@ -29,8 +33,14 @@ from expeditor.bench.workloads import BenchRequest, Workload
 from ipc.schema import SchedulerSnapshot, SeqStatus, StepTimes
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
+"""The targets named by a bare name; ``openai:URL`` is the one with an address."""
+OPENAI = "openai"
 
 OnDone = Callable[[], None]
+
+
+class TargetError(RuntimeError):
+    """A target could not be run at all (e.g. every request to a server failed)."""
 
 
 @dataclass
@@ -374,9 +384,22 @@ def run_hf_cb(
     return TargetRun(timelines=timelines)
 
 
+# -- openai:URL: an HTTP server ----------------------------------------------------------
+
+
+def run_openai(
+    workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
+) -> TargetRun:
+    """``config`` holds the target's options (``url``, ``api``, ...), not scheduler settings."""
+    from expeditor.bench.openai_target import run_openai as run
+
+    return run(workload, model, config, device, on_done)
+
+
 RUNNERS: dict[str, Callable[[Workload, Path, dict[str, Any], str, OnDone], TargetRun]] = {
     "expeditor": run_expeditor,
     "inprocess": run_inprocess,
     "static": run_static,
     "hf-cb": run_hf_cb,
+    OPENAI: run_openai,
 }
