@@ -259,6 +259,30 @@ def test_echo_and_prompt_batches(sync_client, model_name) -> None:
     assert reply.usage.completion_tokens == 4 * 3
 
 
+def test_max_tokens_zero_answers_without_generating(sync_client, model_name, model) -> None:
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    reply = sync_client.completions.create(
+        model=model_name, prompt="Score me", max_tokens=0, echo=True
+    )
+    assert reply.choices[0].text == "Score me" and reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(tokenizer.encode("Score me").ids)
+    assert reply.usage.completion_tokens == 0
+    chunks = list(
+        sync_client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens > 3
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        sync_client.completions.create(model=model_name, prompt="x", max_tokens=0,
+                                       extra_body={"min_tokens": 1})  # fmt: skip
+
+
 # -- the SSE wire format -------------------------------------------------------------------
 
 

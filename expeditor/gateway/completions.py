@@ -32,7 +32,8 @@ from expeditor.gateway.responses import (
 )
 from ipc.async_client import AsyncClient, ClientCompletion
 from ipc.errors import OverloadedError, ServerError
-from ipc.schema import Delta, Usage
+from ipc.schema import Delta, Timings, Usage
+from shared.outputs import CompletionSample, FinishReason
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class _Handler:
 
     async def _generate(self, index: int) -> ClientCompletion:
         text, token_ids = self.prompts[index]
+        if self.body.zero_tokens:
+            return self._nothing_to_generate(index)
         return await self.client.generate(
             text,
             prompt_token_ids=token_ids,
@@ -157,8 +160,50 @@ class _Handler:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _nothing_to_generate(self, index: int) -> ClientCompletion:
+        """The answer to max_tokens 0, without the scheduler: every sample empty, ended
+        by length; the prompt counted as the scheduler would tokenize it."""
+        text, token_ids = self.prompts[index]
+        prompt = (
+            token_ids
+            if token_ids is not None
+            else self.model.encode(text or "", add_special_tokens=True)
+        )
+        limit = self.model.max_model_len
+        if limit is not None and len(prompt) > limit:
+            raise GatewayRequestError(
+                f"prompt: {len(prompt)} tokens, beyond max_model_len={limit}", param="prompt"
+            )
+        samples = [
+            CompletionSample(index=i, token_ids=[], text="", finish_reason=FinishReason.LENGTH)
+            for i in range(self.params.n)
+        ]
+        return ClientCompletion(
+            request_id=self._request_id(index),
+            prompt_token_ids=prompt,
+            token_ids=[],
+            text="",
+            finish_reason=FinishReason.LENGTH,
+            samples=samples,
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=0),
+            timings=Timings(queue_s=0.0, ttft_s=0.0, total_s=0.0),
+        )
+
     async def _one_stream(self, index: int) -> AsyncIterator[Delta]:
         text, token_ids = self.prompts[index]
+        if self.body.zero_tokens:
+            done = self._nothing_to_generate(index)
+            self.prompt_tokens[index] = done.usage.prompt_tokens
+            self.usages[index] = done.usage
+            for sample in done.samples:
+                yield Delta(
+                    request_id=done.request_id,
+                    index=sample.index,
+                    token_ids=[],
+                    text="",
+                    finish_reason=sample.finish_reason,
+                )
+            return
         stream = self.client.stream(
             text,
             prompt_token_ids=token_ids,

@@ -69,6 +69,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     priority: int = 0
     return_tokens_as_token_ids: bool = False
     """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
+    zero_tokens: bool = False
+    """Set by :meth:`sampling`: the request asks for no new tokens (max_tokens 0)."""
     # known but not implemented: refused unless neutral
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -102,10 +104,21 @@ class _Sampling(msgspec.Struct, kw_only=True):
             )
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The scheduler's SamplingParams; its validation errors name the field."""
+        """The scheduler's SamplingParams; its validation errors name the field.
+
+        ``max_tokens`` 0 is valid here (some clients ask for no new tokens: scoring with
+        echo, load generators drawing lengths from 0): ``zero_tokens`` is then set and
+        the params are checked as if for one token; the handler answers without
+        running the model."""
         self._refuse_unsupported()
+        self.zero_tokens = max_tokens == 0
+        if self.zero_tokens and self.min_tokens:
+            raise GatewayRequestError(
+                f"min_tokens: must be <= max_tokens (0), got {self.min_tokens}",
+                param="min_tokens",
+            )
         fields: dict[str, Any] = {
-            "max_tokens": max_tokens,
+            "max_tokens": 1 if self.zero_tokens else max_tokens,
             "min_tokens": self.min_tokens,
             "n": self.n,
             "ignore_eos": self.ignore_eos,
