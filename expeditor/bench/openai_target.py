@@ -44,13 +44,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+import msgspec
 
 from expeditor.bench.metrics import RequestTimeline
 from expeditor.bench.targets import OnDone, TargetError, TargetRun
@@ -65,7 +66,7 @@ OPTIONS = ("api", "model", "api_key", "max_concurrency")
 API_KEY_ENV = ("EXPEDITOR_API_KEY", "OPENAI_API_KEY")
 READ_TIMEOUT_S = 600.0
 """A stream silent for this long is broken."""
-_EOL = re.compile(rb"\r\n|\r|\n")
+_json_decode = msgspec.json.decode
 
 __all__ = [
     "APIS",
@@ -162,14 +163,16 @@ class SSEDecoder:
         self._data: list[str] = []
 
     def feed(self, chunk: bytes) -> list[str]:
-        self._buffer += chunk
+        buffer, tail = self._buffer + chunk, b""
+        if b"\r" in buffer:
+            if buffer.endswith(b"\r"):  # may be the first half of a \r\n
+                buffer, tail = buffer[:-1], b"\r"
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, rest = buffer.split(b"\n")
+        self._buffer = rest + tail
         events: list[str] = []
-        while match := _EOL.search(self._buffer):
-            if match.group() == b"\r" and match.end() == len(self._buffer):
-                break  # a \r at the end may be the first half of a \r\n
-            line = self._buffer[: match.start()].decode("utf-8", errors="replace")
-            self._buffer = self._buffer[match.end() :]
-            if event := self._line(line):
+        for line in lines:
+            if event := self._line(line.decode("utf-8", errors="replace")):
                 events.append(event)
         return events
 
@@ -362,8 +365,8 @@ def _take(record: StreamRecord, events: list[str], now: float) -> bool:
             record.done = True
             return True
         try:
-            payload = json.loads(data)
-        except ValueError:
+            payload = _json_decode(data)
+        except msgspec.DecodeError:
             raise _Failed("bad event", f"not JSON: {data[:120]!r}") from None
         try:
             record.add(payload, now)
