@@ -73,7 +73,7 @@ def test_prompt_forms() -> None:
     ("raw", "field", "words"),
     [
         (b'{"prompt": "x", "max_tokens": "2"}', "max_tokens", "expected `int | null`"),
-        (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", ">= 1"),
+        (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", ">= 1"),
         (b'{"prompt": "x", "top_p": 1.5}', "top_p", "(0, 1]"),
         (b'{"prompt": "x", "stop": [1]}', "stop", "expected `str`"),
         (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty", "not supported"),
@@ -106,7 +106,7 @@ def test_chat_body_checks() -> None:
     for extra, field in (
         (b', "top_logprobs": 2', "top_logprobs"),
         (b', "logprobs": true, "top_logprobs": 99', "top_logprobs"),
-        (b', "max_completion_tokens": 0', "max_completion_tokens"),
+        (b', "max_completion_tokens": -2', "max_completion_tokens"),
         (b', "max_tokens": 3, "max_completion_tokens": 4', "max_tokens"),
         (b', "tools": [{"type": "function"}]', "tools"),
         (b', "response_format": {"type": "json_object"}', "response_format"),

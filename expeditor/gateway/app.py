@@ -197,7 +197,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 # refuses gets its HTTP error status rather than an error event.
                 events = handler.stream()
                 first = await unless_gone(request, anext(events))
-                return EventStreamResponse(_prepend(first, events))
+                return EventStreamResponse(events, first=first)
             return _json(await unless_gone(request, handler.complete()))
         except ClientGone:
             log.info("client gone: aborted %s", handler.response_id)
@@ -320,15 +320,6 @@ def _template_of(model: ServedModel) -> Any:
             param="messages",
         )
     return model.chat_template
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]  # an async generator
 
 
 async def _guard(work: Any) -> Any:

@@ -126,19 +126,20 @@ class _Handler:
             "usage": add_usage([r.usage for r in results]),
         }
 
-    async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
+    def _events(self) -> AsyncIterator[tuple[int, Delta]]:
         """(prompt index, Delta) of every prompt's stream, merged; ``usages`` filled."""
         self.usages = [None] * len(self.prompts)
         self.prompt_tokens = [0] * len(self.prompts)
         if len(self.prompts) == 1:
-            async for delta in self._one_stream(0):
-                yield 0, delta
-            return
+            return self._one_stream(0)
+        return self._merged()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
         queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:
             try:
-                async for delta in self._one_stream(index):
+                async for _, delta in self._one_stream(index):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except Exception as exc:
@@ -189,19 +190,22 @@ class _Handler:
             timings=Timings(queue_s=0.0, ttft_s=0.0, total_s=0.0),
         )
 
-    async def _one_stream(self, index: int) -> AsyncIterator[Delta]:
+    async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
         text, token_ids = self.prompts[index]
         if self.body.zero_tokens:
             done = self._nothing_to_generate(index)
             self.prompt_tokens[index] = done.usage.prompt_tokens
             self.usages[index] = done.usage
             for sample in done.samples:
-                yield Delta(
-                    request_id=done.request_id,
-                    index=sample.index,
-                    token_ids=[],
-                    text="",
-                    finish_reason=sample.finish_reason,
+                yield (
+                    index,
+                    Delta(
+                        request_id=done.request_id,
+                        index=sample.index,
+                        token_ids=[],
+                        text="",
+                        finish_reason=sample.finish_reason,
+                    ),
                 )
             return
         stream = self.client.stream(
@@ -218,10 +222,10 @@ class _Handler:
                     self.prompt_tokens[index] = len(stream.prompt_token_ids)
                 more = stream.ready()  # fell behind: one chunk per sample for all of it
                 if not more:
-                    yield delta
+                    yield index, delta
                     continue
                 for merged in merge_deltas([delta, *more]):
-                    yield merged
+                    yield index, merged
         assert stream.completion is not None
         self.usages[index] = stream.completion.usage
 
@@ -230,6 +234,7 @@ class _Handler:
         with an HTTP error); later ones become an error event."""
         started = False
         n = self.params.n
+        continuous_usage = self.body.continuous_usage
         completion_tokens = [0] * (len(self.prompts) * n)
         try:
             async for prompt_index, delta in self._events():
@@ -242,7 +247,7 @@ class _Handler:
                 chunk = self._delta_chunk(index, prompt_index, delta)
                 if chunk is None:
                     continue
-                if self.body.continuous_usage:
+                if continuous_usage:
                     chunk["usage"] = self._running_usage(completion_tokens)
                 yield sse(chunk)
         except Exception as exc:
@@ -267,12 +272,16 @@ class _Handler:
         return add_usage([u for u in self.usages if u is not None])
 
     def _chunk_head(self) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": self.CHUNK_OBJECT,
-            "created": self.created,
-            "model": self.model.name,
-        }
+        """The fields every chunk starts with (shared: copy, never change it)."""
+        head = self.__dict__.get("_head")
+        if head is None:
+            head = self._head = {
+                "id": self.response_id,
+                "object": self.CHUNK_OBJECT,
+                "created": self.created,
+                "model": self.model.name,
+            }
+        return head
 
     # -- per endpoint -------------------------------------------------------------------
 

@@ -116,9 +116,11 @@ class EventStreamResponse(Response):
     bytes. The iterator is closed (its ``finally`` blocks run: requests are aborted) as
     soon as the client disconnects, even while nothing is being sent."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], *, first: bytes = b"") -> None:
+        """``first``: an event already taken from ``events``, sent before the rest."""
         super().__init__(status_code=200, media_type="text/event-stream")
         self.events = events
+        self.first = first
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -149,6 +151,9 @@ class EventStreamResponse(Response):
 
     async def _pump(self, send: Send) -> None:
         message: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        if self.first:
+            message["body"] = self.first
+            await send(message)
         async for event in self.events:
             message["body"] = event  # the server copies the bytes out before returning
             await send(message)
