@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import msgspec
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from expeditor.cli_options import with_config_options
@@ -31,7 +32,8 @@ DEFAULT_SIM_GPU_BLOCKS = 4096
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error to stderr and exit (2: bad input)."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    # escape(): a message naming a settings table ("[server] ...") is not rich markup.
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 

@@ -361,3 +361,22 @@ def test_stream_ready_takes_what_arrived_and_leaves_the_end() -> None:
     first, ready, tail, completion = asyncio.run(scenario())
     assert [d.token_ids for d in first + ready + tail] == [[1], [2], [3]]
     assert completion is not None and completion.usage.completion_tokens == 3
+
+
+def test_serve_refuses_bad_gateway_settings_before_starting_anything() -> None:
+    from typer.testing import CliRunner
+
+    from expeditor.cli import app
+
+    runner = CliRunner()
+    cases = [
+        (["serve", "--http", "0.0.0.0:8141"], "[gateway] host: 0.0.0.0 is reachable"),
+        (["serve", "--http", "8141"], "--http: expected HOST:PORT"),
+        (["serve", "--api-key", "k"], "need --http HOST:PORT"),
+        (["gateway", "--frontend", "ipc:///nowhere.sock", "--chat-template", "/no/such"],
+         "chat_template: /no/such is not a file"),
+    ]  # fmt: skip
+    for args, words in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert words in " ".join(result.output.split()), (args, result.output)
