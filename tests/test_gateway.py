@@ -249,6 +249,38 @@ def test_async_client_n2_seed_logprobs_and_stop(server, model_name, expected, mo
     assert stopped.choices[0].text == greedy_text[: greedy_text.find(stop)]
 
 
+def test_async_streams_of_n2_equal_the_whole_answers(server, model_name) -> None:
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model=model_name, prompt=[1, 50, 60, 70], max_tokens=9, temperature=0.7,
+                      seed=11, n=2, extra_body={"ignore_eos": True})  # fmt: skip
+        whole = await client.completions.create(**kwargs)
+        texts = ["", ""]
+        chunks = []
+        async for chunk in await client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        ):
+            chunks.append(chunk)
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        chat = [
+            c
+            async for c in await client.chat.completions.create(
+                model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                stream=True,
+            )
+        ]  # fmt: skip
+        await client.close()
+        return whole, texts, chunks, chat
+
+    whole, texts, chunks, chat = asyncio.run(scenario())
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    assert chunks[-1].usage == whole.usage
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("length", "stop")
+
+
 def test_echo_and_prompt_batches(sync_client, model_name) -> None:
     reply = sync_client.completions.create(
         model=model_name, prompt=["Alpha", "Beta"], max_tokens=3, temperature=0, echo=True, n=2
