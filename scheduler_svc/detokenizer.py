@@ -99,10 +99,17 @@ class IncrementalDetokenizer:
         return combined[emitted:safe_end]
 
     def flush(self) -> str:
-        """Text not shown yet (held back for a possible stop string, or all of it when
-        lazy)."""
+        """Text not shown yet: held back for a possible stop string, or for an
+        incomplete UTF-8 sequence that the end leaves incomplete (decoded as it stands,
+        as a whole decode would), or all of it when lazy. Streamed deltas plus the flush
+        therefore equal the text of the same request not streamed."""
         if self.lazy and self._read_offset < len(self.token_ids):
             self.text = self._decode(self.token_ids)
+            self._read_offset = len(self.token_ids)
+        elif not self.stopped and self._read_offset < len(self.token_ids):
+            prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self.token_ids[self._prefix_offset :])
+            self.text += full[len(prefix) :]
             self._read_offset = len(self.token_ids)
         rest = self.text[self._emitted :]
         self._emitted = len(self.text)

@@ -58,6 +58,26 @@ def test_no_stop_string_found_releases_held_back_text(tokenizer: Tokenizer) -> N
     assert shown + detok.flush() == TEXT and not detok.stopped
 
 
+@pytest.mark.parametrize("stop", [(), ("zzzz",)])
+def test_an_output_ending_inside_a_character_streams_what_a_whole_decode_shows(
+    tokenizer: Tokenizer, stop: tuple[str, ...]
+) -> None:
+    """A request can end (its length limit) after the first bytes of a multi-byte
+    character: the flush shows them as a whole decode does, so a streamed answer and
+    the same answer not streamed have the same text."""
+    tokens = ids(tokenizer, "ab 日本")[:-1]  # the last character cut after two of its bytes
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert whole.endswith("\ufffd")
+    streamed = IncrementalDetokenizer(tokenizer, stop)
+    shown = "".join(streamed.add(t) for t in tokens)
+    assert not shown.endswith("\ufffd")  # held back while more bytes could come
+    assert shown + streamed.flush() == whole == streamed.text
+    lazy = IncrementalDetokenizer(tokenizer, lazy=True)
+    for token in tokens:
+        lazy.push(token)
+    assert lazy.flush() == whole
+
+
 def test_a_lazy_detokenizer_decodes_once_at_the_end(tokenizer: Tokenizer) -> None:
     calls: list[int] = []
 
