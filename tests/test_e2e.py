@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import zmq
-from transformers import AutoModelForCausalLM
+from hf_reference import hf_greedy
 
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient, Client
@@ -56,21 +55,7 @@ PROMPTS = _prompts(32)
 
 @pytest.fixture(scope="module")
 def expected(model: Path) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.eval()
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
 async def _run_all(address: str) -> list[list[int]]:

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
+from hf_reference import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
@@ -46,21 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model: Path) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.eval()
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -380,3 +380,23 @@ def test_serve_refuses_bad_gateway_settings_before_starting_anything() -> None:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert words in " ".join(result.output.split()), (args, result.output)
+
+
+def test_a_checkpoint_without_chat_template_refuses_chat_naming_the_fix(model: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from expeditor.gateway.model import ServedModel
+
+    served = ServedModel(
+        name="m",
+        path=str(model),
+        tokenizer=Tokenizer.from_file(str(model / "tokenizer.json")),
+        chat_template=None,
+        max_model_len=64,
+    )
+    with pytest.raises(GatewayRequestError, match="--chat-template FILE") as info:
+        served.template()
+    assert info.value.param == "messages" and info.value.status == 400
+    (h,) = served.encode("H", add_special_tokens=False)
+    assert served.token_text(h) == "H"
+    assert served.decode(served.encode("hi", add_special_tokens=False)) == "hi"

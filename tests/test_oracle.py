@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from hf_reference import hf_greedy
 
 from gpu_worker.engine import LLM
 from gpu_worker.tiny_model import ARCHS, make_tiny_model
@@ -66,21 +66,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def expected(checkpoint: Path) -> dict[int, list[int]]:
     """transformers' greedy output for each prompt, run alone."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE)
-    model.eval()
-    out: dict[int, list[int]] = {}
-    for index, prompt in enumerate(PROMPTS):
-        ids = torch.tensor([prompt], device=DEVICE)
-        with torch.inference_mode():
-            generated = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-        out[index] = generated[0, len(prompt) :].tolist()
-    return out
+    return dict(enumerate(hf_greedy(checkpoint, PROMPTS, MAX_TOKENS, DEVICE)))
 
 
 class PlanLog:

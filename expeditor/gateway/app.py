@@ -183,12 +183,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="expeditor", lifespan=lifespan, docs_url=None, redoc_url=None)
     limit = gateway.config.max_body_bytes
 
-    async def _generate(request: Request, kind: type[Any], handler_type: type[Any]) -> Any:
+    async def _open(request: Request, kind: type[Any]) -> tuple[Any, ServedModel]:
+        """The checked body of a request to the model and the model (API key, size,
+        JSON, the model's name: each refused with its own error)."""
         check_api_key(request, gateway.api_key)
         body = decode_body(await read_body(request, limit), kind)
         model = await gateway.served_model()
         gateway.check_model(model, body.model)
-        assert gateway.client is not None
+        return body, model
+
+    async def _generate(request: Request, kind: type[Any], handler_type: type[Any]) -> Any:
+        body, model = await _open(request, kind)
         handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
         await handler.prepare()
         try:
@@ -261,15 +266,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         async def work() -> Response:
-            check_api_key(request, gateway.api_key)
-            body = decode_body(await read_body(request, limit), TokenizeRequest)
-            model = await gateway.served_model()
-            gateway.check_model(model, body.model)
+            body, model = await _open(request, TokenizeRequest)
             if (body.prompt is None) == (body.messages is None):
                 raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
             if body.messages is not None:
-                template = _template_of(model)
-                text = template.render(
+                text = model.template().render(
                     body.messages, add_generation_prompt=body.add_generation_prompt
                 )
                 tokens = await gateway.encode(model, text, special=False)
@@ -285,10 +286,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         async def work() -> Response:
-            check_api_key(request, gateway.api_key)
-            body = decode_body(await read_body(request, limit), DetokenizeRequest)
-            model = await gateway.served_model()
-            gateway.check_model(model, body.model)
+            body, model = await _open(request, DetokenizeRequest)
             bad = [t for t in body.tokens if not 0 <= t < model.vocab_size]
             if bad:
                 raise GatewayRequestError(
@@ -310,16 +308,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         return _json(error_body(str(exc), "BadRequestError", 400), 400)
 
     return app
-
-
-def _template_of(model: ServedModel) -> Any:
-    if model.chat_template is None:
-        raise GatewayRequestError(
-            f"messages: {model.path} has no chat template; start the gateway with "
-            "--chat-template FILE",
-            param="messages",
-        )
-    return model.chat_template
 
 
 async def _guard(work: Any) -> Any:

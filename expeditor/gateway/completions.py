@@ -416,14 +416,7 @@ class ChatHandler(_Handler):
     async def prepare(self) -> None:
         body = self.body
         self.params = body.check()
-        template = self.model.chat_template
-        if template is None:
-            raise GatewayRequestError(
-                f"messages: {self.model.path} has no chat template; start the gateway with "
-                "--chat-template FILE",
-                param="messages",
-            )
-        text = template.render(
+        text = self.model.template().render(
             body.messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,

@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from expeditor.gateway.chat import ChatTemplate, load_chat_template
+from expeditor.gateway.protocol import GatewayRequestError
 from ipc.schema import InspectReply
 
 __all__ = ["ServedModel"]
@@ -52,6 +53,16 @@ class ServedModel:
             chat_template=load_chat_template(path, chat_template_file or None),
             max_model_len=max_len,
         )
+
+    def template(self) -> ChatTemplate:
+        """The chat template; a 400 naming the way out when the checkpoint has none."""
+        if self.chat_template is None:
+            raise GatewayRequestError(
+                f"messages: {self.path} has no chat template; start the gateway with "
+                "--chat-template FILE",
+                param="messages",
+            )
+        return self.chat_template
 
     def token_text(self, token_id: int) -> str:
         """The text of one token decoded alone (special tokens included)."""

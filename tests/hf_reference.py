@@ -1,0 +1,30 @@
+"""The correctness oracle: transformers' own greedy ``generate()``, each prompt run
+alone, for the tests that compare expeditor's outputs with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def hf_greedy(
+    checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
+    """The new tokens transformers generates greedily (float32) for each prompt."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    model.eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
