@@ -181,8 +181,23 @@ def make_trace(
 def make_tiny_model_cmd(
     out: Annotated[Path, typer.Argument(help="Checkpoint directory to write.")],
     arch: Annotated[
-        Literal["llama", "qwen2", "qwen3", "mistral"],
-        typer.Option(help="Model architecture (transformers config class)."),
+        Literal[
+            "llama",
+            "qwen2",
+            "qwen3",
+            "mistral",
+            "gemma2",
+            "gemma3",
+            "phi3",
+            "mixtral",
+            "qwen3_moe",
+            "olmo2",
+            "granite",
+        ],
+        typer.Option(
+            help="Model architecture (gemma3: Gemma 3's text model). mistral, qwen2, gemma2 "
+            "and gemma3 have sliding-window layers (22 tokens)."
+        ),
     ] = "llama",
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
     size: Annotated[

@@ -20,6 +20,12 @@ When the metadata carries the worker's :class:`DecodeReuse` and a decode step's
 sequences are the last step's, one token further, each layer keeps the K/V it gathered
 last step and only adds the new tokens' rows. All give the same values up to float
 rounding (tests/test_attention_plan.py).
+
+A layer with a sliding window or attention-logit soft-capping (the ``sliding_window``
+and ``softcap`` keywords transformers passes, per layer) gives both to the Triton
+kernel; on the CPU path it stores through the plan and attends with
+:func:`~gpu_worker.kernels.cpu_attention.paged_attention_cpu`, which implements them
+(the plan's groups and their reuse do not).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from gpu_worker.cpu_plan import (
     plan_cpu_step,
 )
 from gpu_worker.kernels import paged_attention, store_kv, use_triton
-from gpu_worker.kernels.cpu_attention import check_attention_args
+from gpu_worker.kernels.cpu_attention import check_attention_args, paged_attention_cpu
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -140,6 +146,8 @@ def expeditor_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    window: int | None = kwargs.get("sliding_window") or None
+    softcap: float | None = kwargs.get("softcap") or None
     plan = meta.cpu_plan
     if plan is None and use_triton(q, key_cache):
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -151,6 +159,8 @@ def expeditor_attention(
             meta.seq_lens,
             meta.query_start_loc,
             scaling,
+            window=window,
+            softcap=softcap,
         )
         return out.unsqueeze(0), None
     if plan is None:
@@ -167,6 +177,19 @@ def expeditor_attention(
         else:
             key_cache.index_put_(plan.store_index, k.index_select(0, plan.store_tokens))
             value_cache.index_put_(plan.store_index, v.index_select(0, plan.store_tokens))
+    if window is not None or softcap is not None:
+        out = paged_attention_cpu(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scaling,
+            window=window,
+            softcap=softcap,
+        )
+        return out.unsqueeze(0), None
     layer = module.layer_idx  # type: ignore[assignment]
     out = attend_cpu(plan, q, key_cache, value_cache, scaling, layer, k, v)  # type: ignore[arg-type]
     return out.unsqueeze(0), None

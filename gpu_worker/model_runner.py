@@ -21,14 +21,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from gpu_worker import attention
+from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.kv_cache import KVCache, KVLayout
 from gpu_worker.sampler import Sampler, make_generator
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(slots=True)
@@ -90,19 +89,6 @@ def _seed_for(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (1 << 63)
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; expeditor runs "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError("sliding-window attention layers are not supported")
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-        raise ValueError("Mistral sliding-window attention is not supported")
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -136,6 +122,8 @@ class ModelRunner:
             model_dir, dtype=self.dtype, attn_implementation=impl
         ).to(device)
         self.model.eval()
+        self.logits = logits_fn(self.model, config)
+        """hidden rows -> logits, as the checkpoint's own head computes them."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
@@ -301,7 +289,7 @@ class ModelRunner:
             return {}, None
         # All greedy, one sample each, nothing masked, no logprobs: the sampler's own
         # fast path (one argmax, one transfer), without building its per-row lists.
-        logits = self.model.lm_head(self._rows(hidden, rows))
+        logits = self.logits(self._rows(hidden, rows))
         tokens: list[int] = logits.float().argmax(dim=-1).tolist()
         return {seq_id: [token] for seq_id, token in zip(owners, tokens, strict=True)}, None
 
@@ -346,7 +334,7 @@ class ModelRunner:
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if not rows:
             return sampled, logprobs
-        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.logits(hidden[torch.tensor(rows, device=self.device)])
         out = self.sampler.sample(logits, params, generators, masked)
         for row, seq_id in enumerate(owners):
             sampled.setdefault(seq_id, []).append(out.token_ids[row])

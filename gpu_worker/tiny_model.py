@@ -65,10 +65,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "olmo2",
+    "granite",
+)
+"""``--arch`` names; ``gemma3`` is Gemma 3's text model (model_type ``gemma3_text``)."""
 
 #: Bumped whenever the generated files change, so cached default models are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Written last inside a finished checkpoint; its presence means the directory is complete.
 MARKER_NAME = ".expeditor-tiny-model.json"
 
@@ -116,6 +129,15 @@ DEFAULT_SIZE = "tiny"
 
 MAX_POSITIONS = 2048
 ROPE_THETA = 10000.0
+SLIDING_WINDOW = 22
+"""Keys a sliding-window layer sees (mistral, qwen2, gemma2, gemma3): short, and not a
+multiple of any block size the tests use, so that tests exceed it and it ends inside
+blocks."""
+ATTN_SOFTCAP = 5.0
+"""Gemma 2's attention-logit soft-capping; low enough to change scores of unit-scale
+activations (the real checkpoints' 50 would barely touch them)."""
+FINAL_SOFTCAP = 20.0
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 
 EMBED_STD = 1.0
 PROJ_GAIN = 1.0  # projection std = PROJ_GAIN / sqrt(fan_in)
@@ -124,6 +146,7 @@ BIAS_STD = 0.1
 LOGIT_STD = 8.0  # lm_head std = LOGIT_STD / sqrt(hidden_size)
 
 DEFAULT_ARCH = "llama"
+GEMMA_ARCHS = ("gemma2", "gemma3")
 DEFAULT_SEED = 0
 
 CHAT_TEMPLATE = (
@@ -200,11 +223,54 @@ def _config(arch: str, size: str) -> Any:
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
     elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common)
+        # Layers from max_window_layers on slide: layer 0 global, the rest windowed.
+        config = transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1
+        )
     elif arch == "qwen3":
         config = transformers.Qwen3Config(**common)
     elif arch == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=None)
+        config = transformers.MistralConfig(**common, sliding_window=SLIDING_WINDOW)
+    elif arch == "gemma2":
+        config = transformers.Gemma2Config(
+            **common,
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=preset.head_dim,
+            attn_logit_softcapping=ATTN_SOFTCAP,
+            final_logit_softcapping=FINAL_SOFTCAP,
+        )
+    elif arch == "gemma3":
+        layers = ["sliding_attention", "full_attention"] * (preset.num_layers // 2)
+        config = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=preset.head_dim,
+            layer_types=layers,
+            final_logit_softcapping=FINAL_SOFTCAP,
+        )
+    elif arch == "phi3":
+        config = transformers.Phi3Config(**common)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN
+        )
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=EXPERTS_PER_TOKEN,
+            moe_intermediate_size=preset.intermediate_size,
+        )
+    elif arch == "olmo2":
+        config = transformers.Olmo2Config(**common)
+    elif arch == "granite":
+        config = transformers.GraniteConfig(
+            **common,
+            embedding_multiplier=2.0,
+            attention_multiplier=1.5 / preset.head_dim**0.5,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        )
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     config.architectures = [type(config).__name__.removesuffix("Config") + "ForCausalLM"]
@@ -212,15 +278,19 @@ def _config(arch: str, size: str) -> Any:
     return config
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], generator: Any, preset: Preset) -> Any:
+def _init_tensor(
+    name: str, shape: tuple[int, ...], generator: Any, preset: Preset, arch: str = DEFAULT_ARCH
+) -> Any:
     """One parameter, drawn from ``generator`` by the rules in the module docstring."""
     import torch
 
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=generator, dtype=torch.float32) * std
 
+    gemma = arch in GEMMA_ARCHS
     if name.endswith("embed_tokens.weight"):
-        return normal(EMBED_STD)
+        # Gemma multiplies embeddings by sqrt(hidden_size): keep the stream at unit scale.
+        return normal(EMBED_STD / shape[1] ** 0.5 if gemma else EMBED_STD)
     if name.endswith("lm_head.weight"):
         weight = normal(LOGIT_STD / shape[1] ** 0.5)
         weight[PAD_ID] = 0.0
@@ -229,11 +299,14 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: Any, preset: Pres
         weight[BYTE_OFFSET + 256 :] = 0.0
         return weight
     if name.endswith("norm.weight"):
-        return 1.0 + normal(NORM_JITTER)
+        # Gemma's RMSNorm scales by (1 + weight).
+        return normal(NORM_JITTER) if gemma else 1.0 + normal(NORM_JITTER)
     if name.endswith(".bias"):
         return normal(BIAS_STD)
     if name.endswith(".weight") and len(shape) == 2:
         return normal(PROJ_GAIN / shape[1] ** 0.5)
+    if len(shape) == 3:  # stacked experts, [experts, out, in]
+        return normal(PROJ_GAIN / shape[2] ** 0.5)
     raise ValueError(f"no init rule for parameter {name} {shape}")
 
 
@@ -247,7 +320,14 @@ def _state_dict(config: Any, seed: int, preset: Preset) -> dict[str, Any]:
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
-    return {name: _init_tensor(name, shapes[name], generator, preset) for name in sorted(shapes)}
+    arch = next((a for a in ARCHS if _config_arch(config) == a), DEFAULT_ARCH)
+    return {
+        name: _init_tensor(name, shapes[name], generator, preset, arch) for name in sorted(shapes)
+    }
+
+
+def _config_arch(config: Any) -> str:
+    return "gemma3" if config.model_type == "gemma3_text" else config.model_type
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

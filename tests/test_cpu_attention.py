@@ -204,9 +204,9 @@ def test_dispatch_takes_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
     called: list[str] = []
 
-    def spy(*args: object) -> torch.Tensor:
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
         called.append("cpu")
-        return paged_attention_cpu(*args)  # type: ignore[arg-type]
+        return paged_attention_cpu(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ATTN_MOD, "paged_attention_cpu", spy)
     monkeypatch.setattr(ATTN_MOD, "paged_attention_ref", None)
@@ -219,3 +219,80 @@ def test_rejects_bad_shapes() -> None:
     batch = make_batch([(9, 1)], 2, 2, 32, 4, torch.float32, seed=4)
     with pytest.raises(ValueError, match="num_kv_heads"):
         paged_attention_cpu(batch.query[:, :3], *batch.args()[1:])
+
+
+# ---------------------------------------------------------------- window and softcap
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("window", [None, 1, 7, 40, 10_000])
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "group"), [(16, 2, 4), (4, 4, 1), (16, 1, 8)]
+)
+def test_window_softcap_match_reference(
+    block_size: int, num_kv_heads: int, group: int, window: int | None, softcap: float | None
+) -> None:
+    """Mixed batches (decodes, chunks after cached prefixes, whole prompts, an idle
+    sequence) with windows of 1, under a block, spanning blocks and beyond every context."""
+    seed = block_size * 100 + num_kv_heads * 10 + group
+    batch = make_batch(
+        mixed_seqs(seed, 120), num_kv_heads, group, 32, block_size, torch.float32, seed
+    )
+    expected = paged_attention_ref(*batch.args(), window=window, softcap=softcap)
+    out = paged_attention_cpu(*batch.args(), window=window, softcap=softcap)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if window is not None and softcap is None:
+        unwindowed = paged_attention_cpu(*batch.args())
+        starts, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+        pos = torch.full((batch.query.shape[0],), -1)
+        for s, seq_len in enumerate(lens):
+            pos[starts[s] : starts[s + 1]] = torch.arange(
+                seq_len - starts[s + 1] + starts[s], seq_len
+            )
+        cut = pos >= window
+        assert cut.any() == (window < 100)
+        assert ((out[cut] - unwindowed[cut]).abs().amax(dim=(1, 2)) > 1e-2).all()
+        torch.testing.assert_close(out[~cut], unwindowed[~cut], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_softcap_half_precision(dtype: torch.dtype) -> None:
+    batch = make_batch(mixed_seqs(9, 120), 2, 4, 64, 16, dtype, seed=9)
+    expected = paged_attention_ref(*batch.args(), window=24, softcap=1.5)
+    out = paged_attention_cpu(*batch.args(), window=24, softcap=1.5)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
+
+
+def test_softcap_in_score_chunks_and_sdpa_only_without_softcap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tiny score chunks (one query row at a time) give the same results; SDPA runs only
+    without a softcap."""
+    batch = make_batch(mixed_seqs(12, 80), 2, 2, 32, 4, torch.float32, seed=12)
+    expected = paged_attention_cpu(*batch.args(), window=9, softcap=3.0)
+    calls: list[int] = []
+    sdpa = CPU_MOD.F.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(CPU_MOD.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(CPU_MOD, "_SCORE_ELEMENTS", 1)
+    out = paged_attention_cpu(*batch.args(), window=9, softcap=3.0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert calls == []
+    paged_attention_cpu(*batch.args(), window=9)
+    assert calls
+
+
+def test_rejects_bad_window_and_softcap() -> None:
+    batch = make_batch([(9, 1)], 2, 2, 32, 4, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention_cpu(*batch.args(), window=-3)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention_cpu(*batch.args(), softcap=0)
+    assert CPU_MOD.check_window_softcap(None, None) == (0, 0.0)
+    assert CPU_MOD.check_window_softcap(4096, 50) == (4096, 50.0)

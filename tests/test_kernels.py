@@ -284,6 +284,130 @@ def test_paged_attention_triton_strided_query(device: str) -> None:
     )
 
 
+# ---------------------------------------------------------------- window and softcap
+
+WINDOW_CASES = {
+    # Decodes, a chunk after a cached prefix, a whole prompt; GQA; block size 8.
+    "mixed_gqa_bs8": AttnCase(((1, 1), (9, 1), (40, 1), (45, 12), (21, 21), (30, 5)), 4, 2, 16, 8),
+    # A 40-token chunk after 30 cached tokens over 3 query tiles (BLOCK_Q 16); block size 16.
+    "long_chunk_mqa_bs16": AttnCase(((70, 40), (33, 1), (5, 1)), 4, 1, 32, 16),
+    "block_size_3": AttnCase(((26, 7), (14, 1), (9, 9)), 4, 2, 16, 3),
+}
+# (window, softcap): window 1, smaller than a block, spanning blocks, beyond every context.
+WINDOW_SOFTCAP = [(1, None), (5, None), (20, None), (1000, None), (None, 1.5), (5, 1.5), (20, 1.5)]
+
+
+def dense_windowed(inp: AttnInputs, case: AttnCase, window: int | None, softcap: float | None):
+    """Hand-written attention, one query row and head at a time, from the unpaged K/V:
+    row at position p attends to the keys j <= p with j > p - window, capped scores."""
+    group = case.num_heads // case.num_kv_heads
+    out = torch.zeros(inp.query.shape, dtype=torch.float32)
+    starts = inp.query_start_loc.tolist()
+    for s, (seq_len, q_len) in enumerate(case.seqs):
+        for i in range(q_len):
+            p = seq_len - q_len + i
+            seen = torch.tensor([j for j in range(p + 1) if not window or j > p - window])
+            for h in range(case.num_heads):
+                k = inp.dense_k[s][seen, h // group].float().cpu()
+                v = inp.dense_v[s][seen, h // group].float().cpu()
+                scores = k @ inp.query[starts[s] + i, h].float().cpu() * inp.scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                out[starts[s] + i, h] = torch.softmax(scores, dim=0) @ v
+    return out
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_windowed_ref_matches_dense(name: str, window: int | None, softcap: float | None) -> None:
+    case = WINDOW_CASES[name]
+    inp = make_attn_inputs(case, torch.float32, "cpu", seed=3)
+    out = paged_attention_ref(*inp.args(), window=window, softcap=softcap)
+    expected = dense_windowed(inp, case, window, softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_windowed_triton_matches_ref(
+    name: str, window: int | None, softcap: float | None, device: str
+) -> None:
+    need_triton(device)
+    inp = make_attn_inputs(WINDOW_CASES[name], torch.float32, device, seed=4)
+    ref = paged_attention_ref(*inp.args(), window=window, softcap=softcap)
+    out = paged_attention_triton(*inp.args(), window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windowed_triton_half_precision(device: str) -> None:
+    need_triton(device)
+    inp = make_attn_inputs(WINDOW_CASES["mixed_gqa_bs8"], torch.float16, device, seed=5)
+    ref = paged_attention_ref(*inp.args(), window=5, softcap=1.5)
+    out = paged_attention_triton(*inp.args(), window=5, softcap=1.5)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_and_softcap_change_the_result(device: str) -> None:
+    """Rows at positions >= window lose keys (and change), the others are untouched; the
+    softcap changes every row that sees more than one key."""
+    case, window = WINDOW_CASES["mixed_gqa_bs8"], 5
+    inp = make_attn_inputs(case, torch.float32, device, seed=6)
+    pos = torch.cat([torch.arange(n - q, n) for n, q in case.seqs])
+    cut = pos >= window
+    funcs = [paged_attention_ref, paged_attention]
+    funcs += [paged_attention_triton] if device != "cpu" or INTERPRET else []
+    for fn in funcs:
+        full = fn(*inp.args()).cpu()
+        windowed = fn(*inp.args(), window=window).cpu()
+        torch.testing.assert_close(windowed[~cut], full[~cut], atol=1e-5, rtol=1e-5)
+        assert ((windowed[cut] - full[cut]).abs().amax(dim=(1, 2)) > 1e-2).all(), fn.__name__
+        capped = fn(*inp.args(), softcap=1.5).cpu()
+        several = pos > 0
+        assert ((capped[several] - full[several]).abs().amax(dim=(1, 2)) > 1e-3).all()
+        torch.testing.assert_close(capped[~several], full[~several], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windowed_triton_reads_nothing_before_the_windows(device: str) -> None:
+    """K/V before every window of a sequence are NaN and the block table entries of blocks
+    wholly before them garbage: the kernel reads neither (its key loop starts at the
+    window), and the results are the reference's on the intact cache."""
+    need_triton(device)
+    case, window = AttnCase(((70, 40), (100, 1), (5, 1)), 4, 1, 32, 16), 8
+    inp = make_attn_inputs(case, torch.float32, device, seed=7)
+    ref = paged_attention_ref(*inp.args(), window=window)
+    bs, cut_blocks = case.block_size, []
+    for s, (seq_len, q_len) in enumerate(case.seqs):
+        first_seen = max(seq_len - q_len - window + 1, 0)
+        for j in range(first_seen):
+            block = int(inp.block_tables[s, j // bs])
+            inp.key_cache[block, j % bs] = float("nan")
+            inp.value_cache[block, j % bs] = float("nan")
+        inp.block_tables[s, : first_seen // bs] = 10**6
+        cut_blocks.append(first_seen // bs)
+    assert cut_blocks == [1, 5, 0]
+    out = paged_attention_triton(*inp.args(), window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_window_zero_is_none_and_bad_values_raise() -> None:
+    inp = make_attn_inputs(WINDOW_CASES["block_size_3"], torch.float32, "cpu", seed=8)
+    funcs = [paged_attention_ref, paged_attention]
+    funcs += [paged_attention_triton] if INTERPRET else []
+    for fn in funcs:
+        assert torch.equal(fn(*inp.args(), window=0), fn(*inp.args()))
+        for window in (-1, 2.5, True, "8"):
+            with pytest.raises(ValueError, match="window"):
+                fn(*inp.args(), window=window)
+        for softcap in (0.0, -1.0, math.nan, math.inf, "x"):
+            with pytest.raises(ValueError, match="softcap"):
+                fn(*inp.args(), softcap=softcap)
+
+
 # ---------------------------------------------------------------- store_kv
 
 
@@ -402,7 +526,7 @@ def test_dispatch_skips_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
     called: list[str] = []
 
-    def fail(*args: object) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
         called.append("triton")
 
     monkeypatch.setattr(STORE_KV_MOD, "store_kv_triton", fail)
@@ -426,7 +550,7 @@ def test_dispatch_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
         (BLOCK_COPY_MOD, "gather_blocks_triton"),
         (BLOCK_COPY_MOD, "scatter_blocks_triton"),
     ]:
-        monkeypatch.setattr(mod, name, lambda *a, _n=name: called.append(_n))
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, **k: called.append(_n))
     kv_cache, key, value, slots = make_store_inputs(torch.float32, "cpu")
     store_kv(key, value, kv_cache[:, 0, 0], kv_cache[:, 0, 1], slots)
     inp = make_attn_inputs(ATTN_CASES["chunk_13_cached_5_new"], torch.float32, "cpu")

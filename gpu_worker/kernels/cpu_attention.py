@@ -5,12 +5,17 @@ batches of prefill chunks and decodes, causal, GQA), built for speed where there
 Triton: sequences are grouped by padded size, and each group is one batched gather of its
 blocks through the block table, one masked ``scaled_dot_product_attention`` call with
 ``enable_gqa`` (K/V heads are never repeated) and one scatter of the result rows. Nothing
-is upcast: the inputs' dtype goes straight to SDPA, which accumulates in float32.
+is upcast: the inputs' dtype goes straight to SDPA, which accumulates in float32. A
+sliding window is part of the mask; a logit softcap, which SDPA cannot apply, takes an
+explicit float32 attention instead (still without repeating K/V heads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,33 @@ def check_attention_args(
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {query_start_loc.shape}")
+
+
+def check_window_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """``(window, softcap)`` with 0 for "none" (raises ``ValueError`` on bad values).
+
+    ``window``: a query at position p sees keys k with ``p - window < k <= p`` (the last
+    ``window`` positions, its own included; transformers' sliding window); None or 0 for
+    no window. ``softcap``: the scaled scores become ``softcap * tanh(scores / softcap)``
+    before masking (Gemma 2); None for no capping.
+    """
+    size = -1
+    if window is None:
+        size = 0
+    elif not isinstance(window, bool):
+        with contextlib.suppress(TypeError):
+            size = operator.index(window)
+    if size < 0:
+        raise ValueError(f"window must be an int >= 1 (or None/0 for none), got {window!r}")
+    if softcap is None:
+        return size, 0.0
+    cap = math.nan
+    if not isinstance(softcap, bool):
+        with contextlib.suppress(TypeError, ValueError):
+            cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
+    return size, cap
 
 
 _PAD_SLACK = 1.5
@@ -127,12 +159,18 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`~gpu_worker.kernels.paged_attention.paged_attention_ref`'s results (within
     float tolerance), computed a group of sequences at a time. Query rows outside
-    ``query_start_loc[0]:query_start_loc[-1]`` are zero.
+    ``query_start_loc[0]:query_start_loc[-1]`` are zero. ``window``/``softcap``: see
+    :func:`check_window_softcap`; with a softcap the scores are computed explicitly in
+    float32 (SDPA cannot cap them).
     """
     check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    window, cap = check_window_softcap(window, softcap)
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -152,6 +190,8 @@ def paged_attention_cpu(
             torch.tensor([starts[s] for s in group], device=query.device),
             torch.tensor([q_lens[s] for s in group], device=query.device),
             scale,
+            window,
+            cap,
         )
     return out
 
@@ -166,8 +206,11 @@ def _attend_group(
     q_begins: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """One padded SDPA call for the group's sequences (``tables`` their block tables)."""
+    """One padded SDPA call for the group's sequences (``tables`` their block tables);
+    ``window``/``softcap`` 0 for none."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     device = query.device
     n = seq_lens.shape[0]
@@ -193,19 +236,65 @@ def _attend_group(
     v.view(n * keys, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
 
     # Query row i of sequence s sits at position seq_len - q_len + i; padded rows (i past
-    # q_len) repeat the last row and see the whole context, so no row is fully masked.
+    # q_len) repeat the last row, position included, so no row is fully masked.
     row = torch.arange(max_q, device=device)
-    q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [n, max_q]
-    rows = q_begins[:, None] + torch.minimum(row[None, :], (q_lens - 1)[:, None])
+    last = torch.minimum(row[None, :], (q_lens - 1)[:, None])  # [n, max_q]
+    q_pos = (seq_lens - q_lens)[:, None] + last
+    rows = q_begins[:, None] + last
     q = query.index_select(0, rows.view(-1)).view(n, max_q, -1, head_dim)
     visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & ~past[:, None, :]
-    attn = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=visible[:, None],
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2)  # [n, max_q, heads, head_dim]
+    if window:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    if softcap:
+        attn = _softcapped_attention(q, k, v, visible, scale, softcap)
+    else:
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=visible[:, None],
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)  # [n, max_q, heads, head_dim]
     real = row[None, :] < q_lens[:, None]
     out.index_copy_(0, rows[real], attn[real])
+
+
+_SCORE_ELEMENTS = 1 << 24
+"""Bound on the float32 scores :func:`_softcapped_attention` holds at once (unless one
+query row of the group alone needs more)."""
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Explicit attention in float32 with capped scores: q [n, max_q, heads, head_dim],
+    k/v [n, keys, kv_heads, head_dim], visible [n, max_q, keys] -> [n, max_q, heads,
+    head_dim] in q's dtype. The query heads of a KV head are the rows of one matmul (K/V
+    heads are never repeated), a chunk of query rows at a time."""
+    n, max_q, heads, head_dim = q.shape
+    keys, num_kv_heads = k.shape[1], k.shape[2]
+    group = heads // num_kv_heads
+    k_t = k.float().permute(0, 2, 3, 1)  # [n, kv_heads, head_dim, keys]
+    v_h = v.float().transpose(1, 2)  # [n, kv_heads, keys, head_dim]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    step = max(1, _SCORE_ELEMENTS // max(1, n * heads * keys))
+    for first in range(0, max_q, step):
+        m = min(step, max_q - first)
+        # [n, kv_heads, m * group, head_dim]: row i * group + j is query row first + i of
+        # head kv_head * group + j.
+        qc = q[:, first : first + m].float().view(n, m, num_kv_heads, group, head_dim)
+        qc = qc.transpose(1, 2).reshape(n, num_kv_heads, m * group, head_dim)
+        scores = torch.matmul(qc, k_t).mul_(scale / softcap).tanh_().mul_(softcap)
+        scores = scores.view(n, num_kv_heads, m, group, keys)
+        mask = visible[:, None, first : first + m, None, :]
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores.view(n, num_kv_heads, m * group, keys), dim=-1)
+        attn = torch.matmul(probs, v_h).view(n, num_kv_heads, m, group, head_dim)
+        out[:, first : first + m] = attn.transpose(1, 2).reshape(n, m, heads, head_dim)
+    return out

@@ -1,4 +1,5 @@
-"""Paged attention over mixed batches of prefill chunks and decodes (causal, GQA)."""
+"""Paged attention over mixed batches of prefill chunks and decodes (causal, GQA, with an
+optional sliding window and attention-logit soft-capping)."""
 
 # Triton kernel parameters stay unannotated: Triton reads annotations for specialisation.
 # ruff: noqa: ANN001, ANN202
@@ -11,7 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels.cpu_attention import check_attention_args, paged_attention_cpu
+from gpu_worker.kernels.cpu_attention import (
+    check_attention_args,
+    check_window_softcap,
+    paged_attention_cpu,
+)
 from gpu_worker.kernels.store_kv import use_triton
 
 
@@ -23,13 +28,20 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch reference: gather each sequence's K/V through its block table and attend
     causally in float32. Query rows outside ``query_start_loc[0]:query_start_loc[-1]``
     are zero. Decodes (one query row) are computed together, padded to the longest
-    context; prefill chunks one sequence at a time.
+    context; prefill chunks one sequence at a time. ``window``: a query at position p
+    sees only keys k with ``p - window < k <= p`` (None or 0: no window); ``softcap``:
+    the scaled scores become ``softcap * tanh(scores / softcap)`` before masking (None:
+    no capping); see :func:`~gpu_worker.kernels.cpu_attention.check_window_softcap`.
     """
     check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    window, cap = check_window_softcap(window, softcap)
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -46,6 +58,8 @@ def paged_attention_ref(
             starts,
             decodes[first : first + _DECODE_CHUNK],
             scale,
+            window,
+            cap,
         )
     chunked = set(decodes)
     for s, seq_len in enumerate(lens):
@@ -60,6 +74,8 @@ def paged_attention_ref(
                 starts[s],
                 starts[s + 1],
                 scale,
+                window,
+                cap,
             )
     return out
 
@@ -78,6 +94,8 @@ def _decode_ref(
     starts: list[int],
     seqs: list[int],
     scale: float,
+    window: int,
+    softcap: float,
 ) -> None:
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -93,13 +111,16 @@ def _decode_ref(
     blocks = torch.where(valid, tables[rows, :num_blocks], 0)
     k = key_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
     v = value_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
-    key_ok = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None]
+    key_pos = torch.arange(k.shape[1], device=device)
+    key_ok = key_pos[None, :] < seq_lens[:, None]
     # Slots past a context may hold anything, even NaN: their scores become -inf below,
     # and their values are zeroed so that probability 0 times the slot stays 0.
     v = v.masked_fill(~key_ok[:, :, None, None], 0.0)
     q_rows = torch.tensor([starts[s] for s in seqs], device=query.device)
     q = query[q_rows].float().view(len(seqs), num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale
+    scores = _cap(torch.einsum("skgd,slkd->skgl", q, k) * scale, softcap)
+    if window:  # the query sits at position seq_len - 1
+        key_ok = key_ok & (key_pos[None, :] >= seq_lens[:, None] - window)
     scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     result = torch.einsum("skgl,slkd->skgd", probs, v).reshape(len(seqs), -1, head_dim)
@@ -116,6 +137,8 @@ def _prefill_ref(
     q_begin: int,
     q_end: int,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> None:
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -127,13 +150,20 @@ def _prefill_ref(
     k = k.float().repeat_interleave(group, dim=1)  # [seq_len, heads, head_dim]
     v = v.float().repeat_interleave(group, dim=1)
     q = query[q_begin:q_end].float()  # [q_len, heads, head_dim]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = _cap(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
-    causal = k_pos[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~causal, float("-inf"))
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+
+
+def _cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)``, or ``scores`` when ``softcap`` is 0."""
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
 
 
 @triton.jit
@@ -161,6 +191,7 @@ def _find_seq(
 @triton.jit
 def _attend_key_tile(
     start_n,
+    min_key,
     num_keys,
     q,
     q_pos,
@@ -184,15 +215,22 @@ def _attend_key_tile(
     dims,
     dim_ok,
     scale,
+    window,
+    softcap,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # One online-softmax step over keys [start_n, start_n + TILE_N) of the sequence; each
     # key's physical slot comes from the block table, so a tile may span several blocks
-    # (or part of one) whatever the block size.
+    # (or part of one) whatever the block size. With a window, keys before ``min_key``
+    # (seen by no row of the tile) are not loaded, nor their block table entries.
     keys = start_n + tl.arange(0, TILE_N)
     key_ok = keys < num_keys
+    if HAS_WINDOW:
+        key_ok = key_ok & (keys >= min_key)
     block = tl.load(table + (keys // BLOCK_SIZE) * bt_s1, mask=key_ok, other=0).to(tl.int64)
     in_block = keys % BLOCK_SIZE
     k_base = block * kc_s0 + in_block * kc_s1 + kv_head * kc_s2
@@ -212,7 +250,13 @@ def _attend_key_tile(
     else:
         s = tl.dot(q, k)
     s = s * scale
+    if HAS_SOFTCAP:
+        # softcap * tanh(s / softcap), with tanh(x) = 2 * sigmoid(2x) - 1: finite for
+        # every x (sigmoid saturates to 0 or 1), and the interpreter has no tanh.
+        s = softcap * (2.0 * tl.sigmoid(s * (2.0 / softcap)) - 1.0)
     visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (keys[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -229,7 +273,7 @@ def _attend_key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -239,6 +283,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    window,
+    softcap,
     num_seqs,
     head_dim,
     q_s0,
@@ -265,6 +311,8 @@ def _paged_attention_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     INTERPRETER_LOOP: tl.constexpr,
 ):
     # One program per (query tile of one sequence, kv head). A tile holds BLOCK_Q query
@@ -304,27 +352,33 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
 
-    # Keys this tile can see: positions 0 .. (last query position in the tile).
+    # Keys this tile can see: positions 0 .. (last query position in the tile), or with a
+    # window from the first query's earliest key (its tile) on: O(window) key tiles.
     num_keys = context + tl.minimum(tile_q0 + BLOCK_Q, q_len)
+    min_key = 0
+    first_key = 0
+    if HAS_WINDOW:
+        min_key = tl.maximum(context + tile_q0 - window + 1, 0)
+        first_key = min_key // TILE_N * TILE_N
     table = block_tables_ptr + seq.to(tl.int64) * bt_s0
     if INTERPRETER_LOOP:
         # Older Triton interpreters cannot take a runtime tensor as a range() bound.
-        start_n = 0
+        start_n = first_key
         while start_n < num_keys:
             m_i, l_i, acc = _attend_key_tile(
-                start_n, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                start_n, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
                 key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale,
-                TILE_N, BLOCK_SIZE, IEEE_DOT,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
             )  # fmt: skip
             start_n += TILE_N
     else:
-        for start_n in range(0, num_keys, TILE_N):
+        for start_n in range(first_key, num_keys, TILE_N):
             m_i, l_i, acc = _attend_key_tile(
-                start_n, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                start_n, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
                 key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale,
-                TILE_N, BLOCK_SIZE, IEEE_DOT,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
             )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -353,11 +407,16 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_ref` (flash-style online softmax over the
-    sequence's KV blocks). Query rows outside every sequence are left uninitialised.
+    sequence's KV blocks; with a window, only over the blocks the window reaches). Query
+    rows outside every sequence are left uninitialised.
     """
     check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    window, cap = check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -384,6 +443,8 @@ def paged_attention_triton(
         seq_lens,
         query_start_loc,
         float(scale),
+        window,
+        cap if cap else 1.0,
         num_seqs,
         head_dim,
         *query.stride(),
@@ -399,6 +460,8 @@ def paged_attention_triton(
         DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size,
         IEEE_DOT=query.dtype == torch.float32,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=cap > 0,
         INTERPRETER_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
@@ -413,6 +476,9 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of prefill chunks and decodes.
 
@@ -421,15 +487,14 @@ def paged_attention(
     ``seq_lens[s]`` context (K/V already in the cache via ``block_tables[s]``). Returns
     ``[tokens, heads, head_dim]`` in ``query.dtype``. CUDA tensors take the Triton kernel,
     others :func:`~gpu_worker.kernels.cpu_attention.paged_attention_cpu` (the torch
-    reference stays the oracle of both).
+    reference stays the oracle of both). ``window``: the layer's sliding window, a query at
+    position p seeing keys ``p - window < k <= p`` (None or 0: none); ``softcap``: scores
+    capped to ``softcap * tanh(scores / softcap)`` before masking (None: none).
     """
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     if use_triton(query, key_cache):
-        return paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-        )
-    return paged_attention_cpu(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-    )
+        return paged_attention_triton(*args, window=window, softcap=softcap)
+    return paged_attention_cpu(*args, window=window, softcap=softcap)
 
 
 __all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
