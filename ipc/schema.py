@@ -398,6 +398,8 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta", tag_field="t
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+    """With finish_reason ``stop``: the stop string or stop token id (None for EOS)."""
 
 
 class DeltaBatch(msgspec.Struct, frozen=True, kw_only=True, tag="deltas", tag_field="type"):

@@ -45,6 +45,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.stopped = False
+        self.stop_reason: str | None = None
+        """The stop string that ended the text (the earliest match; first listed on a tie)."""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -86,10 +88,11 @@ class IncrementalDetokenizer:
         combined = self.text + delta
         if self.stop:
             start = max(len(self.text) - self._max_stop + 1, 0)
-            found = [i for i in (combined.find(s, start) for s in self.stop) if i >= 0]
+            found = [(i, s) for s in self.stop if (i := combined.find(s, start)) >= 0]
             if found:
+                cut, self.stop_reason = min(found, key=lambda match: match[0])
                 self.stopped = True
-                self.text = combined[: min(found)]
+                self.text = combined[:cut]
                 return self.flush()
         self.text = combined
         safe_end = len(combined) - max(self._max_stop - 1, 0)

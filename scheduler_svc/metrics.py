@@ -76,7 +76,8 @@ class RequestMetrics:
         self.prompt_tokens += num_prompt_tokens
 
     def on_step(self, num_scheduled_tokens: int, num_new_tokens: int) -> None:
-        self.iteration_tokens.observe(num_scheduled_tokens)
+        if num_scheduled_tokens:  # a plan with only frees or swaps computes nothing
+            self.iteration_tokens.observe(num_scheduled_tokens)
         self.generation_tokens += num_new_tokens
 
     def on_finished(

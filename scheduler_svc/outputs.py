@@ -46,6 +46,9 @@ class StepEvents:
     (re)sent to the workers in full this step; the first time counts."""
     num_scheduled_tokens: int = 0
     """Tokens the step computed (prefill and decode)."""
+    planned_at: float = 0.0
+    """When the step was planned (its new requests' queue time ends there); 0 = unknown,
+    take ``time``."""
     time: float = 0.0
 
 
@@ -90,6 +93,18 @@ class RequestEnded:
 Send = Callable[[bytes, ServerMessage], None]
 Logprobs = dict[int, float] | None
 """One token's logprobs (token id -> logprob), where the request asked for them."""
+
+
+def _stop_reason(
+    req: ClientRequest, detok: IncrementalDetokenizer, reason: FinishReason
+) -> str | int | None:
+    """The stop string, or the stop token id that ended a sample (None for EOS)."""
+    if reason != FinishReason.STOP:
+        return None
+    if detok.stop_reason is not None:
+        return detok.stop_reason
+    last = detok.token_ids[-1] if detok.token_ids else None
+    return last if last in req.params.stop_token_ids else None
 
 
 class OutputProcessor:
@@ -140,7 +155,7 @@ class OutputProcessor:
         for request_id, cached in events.scheduled_requests:
             req = self.requests.get(request_id)
             if req is not None and req.first_scheduled is None:
-                req.first_scheduled = now
+                req.first_scheduled = events.planned_at or now
                 req.cached_tokens = cached
                 metrics.on_scheduled(len(req.prompt_token_ids))
         generated = 0
@@ -194,6 +209,7 @@ class OutputProcessor:
                         text=text,
                         finish_reason=reason,
                         logprobs=None if entry is None else [entry],
+                        stop_reason=None if reason is None else _stop_reason(req, detok, reason),
                     )
                 )
         for client, deltas in outbox.items():
@@ -219,6 +235,7 @@ class OutputProcessor:
             detok = self._sample(req, index)
             reason = req.reasons.get(index, reason_for_rest)
             tail = detok.flush()
+            stop_reason = _stop_reason(req, detok, reason)
             if req.stream and (tail or index not in req.reasons):
                 self.send(
                     req.client,
@@ -228,6 +245,7 @@ class OutputProcessor:
                         token_ids=[],
                         text=tail,
                         finish_reason=reason,
+                        stop_reason=stop_reason,
                     ),
                 )
             samples.append(
@@ -237,6 +255,7 @@ class OutputProcessor:
                     text=detok.text,
                     finish_reason=reason,
                     logprobs=req.logprobs.get(index),
+                    stop_reason=stop_reason,
                 )
             )
         first_scheduled = req.first_scheduled if req.first_scheduled is not None else now

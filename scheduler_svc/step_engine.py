@@ -82,6 +82,8 @@ class StepRecord:
     execute_s: float = 0.0
     """From submitting the plan, or from the previous step's result when it was
     submitted ahead of it, to having its result (the worker's time included)."""
+    planned_at: float = 0.0
+    """``time.monotonic()`` when the plan was made (when its new requests left the queue)."""
 
 
 class StepEngine:
@@ -159,7 +161,9 @@ class StepEngine:
             plan = core.schedule()
             if plan is None:
                 break  # nothing to plan until a result is back
-            record = StepRecord(plan=plan, schedule_s=time.perf_counter() - started)
+            record = StepRecord(
+                plan=plan, schedule_s=time.perf_counter() - started, planned_at=time.monotonic()
+            )
             self._check("planning", plan.step)
             pending.append((record, self.executor.submit(plan), time.perf_counter()))
         return pending.popleft()
@@ -192,6 +196,7 @@ class StepEngine:
                 if n.sample_index == 0
             ],
             num_scheduled_tokens=record.plan.total_tokens,
+            planned_at=record.planned_at,
             time=time.monotonic(),
         )
         self.times.add_step(record.schedule_s + record.update_s, record.execute_s, result.timing)

@@ -27,6 +27,9 @@ class CompletionSample(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason
     logprobs: list[dict[int, float]] | None = None
     """Per output token, when asked for: the sampled token and the top ones -> logprob."""
+    stop_reason: str | int | None = None
+    """What stopped it: the stop string, or the stop token id (``stop_token_ids``; None
+    for EOS and for the other finish reasons)."""
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

@@ -141,4 +141,63 @@ def test_output_processor_streams_batched_deltas_then_finished(tokenizer: Tokeni
     proc.finish("b")
     b = next(m for _, m in sent if isinstance(m, Finished) and m.request_id == "b")
     assert b.completion.text == "hel" and b.completion.finish_reason == "stop"
+    assert b.completion.samples[0].stop_reason == "lo"
+    assert finished["a"].completion.samples[0].stop_reason is None  # ended by length
     assert b.completion.token_ids == tokens  # the token completing the stop string counts
+
+
+def test_stop_reason_names_the_stop_token_and_queue_time_ends_at_planning(
+    tokenizer: Tokenizer,
+) -> None:
+    sent: list[object] = []
+    proc = OutputProcessor(tokenizer, lambda c, m: sent.append(m), lambda seq_id: None)
+    stop_token = ids(tokenizer, "!")[0]
+    for rid in ("token", "eos", "strings"):
+        proc.requests[rid] = ClientRequest(
+            request_id=rid,
+            client=b"c",
+            owner=b"c",
+            stream=True,
+            params=SamplingParams(stop_token_ids=(stop_token,), stop=("zz", "yz", "x")),
+            prompt_token_ids=[1, 2, 3],
+            arrival=10.0,
+        )
+    last = {"token": stop_token, "eos": 2, "strings": ids(tokenizer, "y")[0]}
+    # Planned at 10.5 (the requests' queue time ends), the result processed at 12.0.
+    proc.on_step(
+        StepEvents(
+            tokens=[(rid, 0, rid, ids(tokenizer, "a")[0]) for rid in last],
+            scheduled_requests=[(rid, 0) for rid in last],
+            num_scheduled_tokens=9,
+            planned_at=10.5,
+            time=12.0,
+        )
+    )
+    proc.on_step(
+        StepEvents(
+            tokens=[(rid, 0, rid, token) for rid, token in last.items()],
+            finished_seqs=[("token", 0, "stop"), ("eos", 0, "stop")],
+            finished_requests=["token", "eos"],
+            num_scheduled_tokens=3,
+            planned_at=12.1,
+            time=13.0,
+        )
+    )
+    # "ay" holds no stop string yet; "z" makes "ayz", which holds "yz" (listed second).
+    proc.on_step(StepEvents(tokens=[("strings", 0, "strings", ids(tokenizer, "z")[0])], time=14.0))
+    proc.finish("strings")
+    finished = {m.request_id: m for m in sent if isinstance(m, Finished)}
+    assert finished["token"].completion.samples[0].stop_reason == stop_token
+    assert finished["eos"].completion.samples[0].stop_reason is None
+    assert finished["strings"].completion.samples[0].stop_reason == "yz"
+    assert finished["strings"].completion.text == "a"
+    deltas = [d for m in sent if isinstance(m, DeltaBatch) for d in m.deltas]
+    deltas += [m for m in sent if isinstance(m, Delta)]
+    last_deltas = {d.request_id: d for d in deltas if d.finish_reason is not None}
+    assert last_deltas["token"].stop_reason == stop_token
+    for rid in ("token", "eos"):
+        assert finished[rid].timings.queue_s == pytest.approx(0.5)
+        assert finished[rid].timings.ttft_s == pytest.approx(2.0)
+    hist = proc.metrics.histograms()
+    assert hist["request_queue_time_seconds"].sum == pytest.approx(3 * 0.5)
+    assert hist["iteration_tokens_total"].count == 2  # the step that computed nothing is not one

@@ -232,6 +232,7 @@ def test_async_client_n2_seed_logprobs_and_stop(server, model_name, expected, mo
         assert entry.bytes == list(entry.token.encode())
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == greedy_text[: greedy_text.find(stop)]
+    assert stopped.choices[0].stop_reason == stop  # vLLM's field: what stopped it
 
 
 def test_async_streams_of_n2_equal_the_whole_answers(server, model_name) -> None:

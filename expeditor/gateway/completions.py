@@ -107,14 +107,7 @@ class _Handler:
         for prompt_index, result in enumerate(results):
             for sample in result.samples:
                 choices.append(
-                    self._choice(
-                        prompt_index * self.params.n + sample.index,
-                        prompt_index,
-                        sample.text,
-                        sample.token_ids,
-                        sample.logprobs,
-                        str(sample.finish_reason),
-                    )
+                    self._choice(prompt_index * self.params.n + sample.index, prompt_index, sample)
                 )
         choices.sort(key=lambda choice: choice["index"])
         return {
@@ -288,15 +281,7 @@ class _Handler:
     def _opening(self, prompt_index: int) -> list[bytes]:
         return []
 
-    def _choice(
-        self,
-        index: int,
-        prompt_index: int,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
-        finish_reason: str,
-    ) -> dict[str, Any]:
+    def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         raise NotImplementedError
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
@@ -322,6 +307,7 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
                 token_ids=[t for d in group for t in d.token_ids],
                 text="".join(d.text for d in group),
                 finish_reason=group[-1].finish_reason,
+                stop_reason=group[-1].stop_reason,
                 logprobs=[e for lp in with_logprobs for e in lp] if with_logprobs else None,
             )
         )
@@ -363,24 +349,17 @@ class CompletionHandler(_Handler):
         self.text_offsets = [len(self.echoed[i // n]) for i in range(len(self.prompts) * n)]
         """Per choice: where its next token's text starts (the logprobs' text_offset)."""
 
-    def _choice(
-        self,
-        index: int,
-        prompt_index: int,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
-        finish_reason: str,
-    ) -> dict[str, Any]:
+    def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         echoed = self.echoed[prompt_index]
+        logprobs = sample.logprobs
         return {
             "index": index,
-            "text": echoed + text,
+            "text": echoed + sample.text,
             "logprobs": None
             if logprobs is None
-            else completion_logprobs(token_ids, logprobs, self.token_text, len(echoed)),
-            "finish_reason": finish_reason,
-            "stop_reason": None,
+            else completion_logprobs(sample.token_ids, logprobs, self.token_text, len(echoed)),
+            "finish_reason": str(sample.finish_reason),
+            "stop_reason": sample.stop_reason,
         }
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
@@ -402,7 +381,7 @@ class CompletionHandler(_Handler):
             "text": text,
             "logprobs": logprobs,
             "finish_reason": reason,
-            "stop_reason": None,
+            "stop_reason": delta.stop_reason,
         }
         return {**self._chunk_head(), "choices": [choice]}
 
@@ -447,23 +426,16 @@ class ChatHandler(_Handler):
             for index in range(self.params.n)
         ]
 
-    def _choice(
-        self,
-        index: int,
-        prompt_index: int,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
-        finish_reason: str,
-    ) -> dict[str, Any]:
+    def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
+        logprobs = sample.logprobs
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": {"role": "assistant", "content": sample.text},
             "logprobs": None
             if logprobs is None
-            else chat_logprobs(token_ids, logprobs, self.token_text, self.top_n),
-            "finish_reason": finish_reason,
-            "stop_reason": None,
+            else chat_logprobs(sample.token_ids, logprobs, self.token_text, self.top_n),
+            "finish_reason": str(sample.finish_reason),
+            "stop_reason": sample.stop_reason,
         }
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
@@ -477,5 +449,6 @@ class ChatHandler(_Handler):
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": logprobs,
             "finish_reason": None if delta.finish_reason is None else str(delta.finish_reason),
+            "stop_reason": delta.stop_reason,
         }
         return {**self._chunk_head(), "choices": [choice]}
