@@ -17,8 +17,15 @@ ConfigFile = Annotated[
     typer.Option("--config", help="TOML file with [gateway] and [server] tables."),
 ]
 
-GATEWAY_SERVER_FIELDS = ("frontend", "curve_server_key", "curve_client_key", "insecure_tcp")
-"""The [server] settings the gateway uses: how it reaches the scheduler."""
+GATEWAY_SERVER_FIELDS = (
+    "frontend",
+    "curve_server_key",
+    "curve_client_key",
+    "insecure_tcp",
+    "shutdown_timeout_s",
+)
+"""The [server] settings the gateway uses: how it reaches the scheduler, and how long
+requests in flight get when it stops."""
 
 
 def gateway_settings(
@@ -69,4 +76,12 @@ def gateway(
             curve = client_curve_options(server.curve_server_key, server.curve_client_key)
         except ConfigError as exc:
             fail(str(exc))
-    raise typer.Exit(run_gateway(server.frontend, settings, api_key=key, curve=curve))
+    raise typer.Exit(
+        run_gateway(
+            server.frontend,
+            settings,
+            api_key=key,
+            curve=curve,
+            grace_s=server.shutdown_timeout_s,
+        )
+    )

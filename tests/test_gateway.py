@@ -592,6 +592,56 @@ def test_a_full_queue_answers_429_overloaded(guarded) -> None:
     _wait_idle(guarded[0])
 
 
+def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, tmp_path) -> None:
+    """SIGTERM to a gateway with a stream open: after its grace (shutdown_timeout_s) the
+    stream ends with an error event and [DONE], the scheduler request is aborted, and the
+    gateway exits 0 without a traceback."""
+    frontend = guarded[0]  # its scheduler, through a second gateway of its own
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as err:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "expeditor", "gateway", "--frontend", frontend, "--port",
+             str(port), "--shutdown-timeout-s", "0.2"],
+            stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _get(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and gateway.poll() is None
+            time.sleep(0.1)
+        # 1000 decode steps of one sequence: still running when the 0.2 s grace ends.
+        body = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        data = json.dumps(body).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        got = sock.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200")
+        gateway.send_signal(signal.SIGTERM)
+        while chunk := sock.recv(65536):
+            got += chunk
+        sock.close()
+        assert gateway.wait(timeout=30) == 0
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+    assert b'"message": "the gateway is shutting down"' in got
+    assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the last event, then the end
+    assert b"Traceback" not in log.read_bytes()
+    _wait_idle(frontend)
+
+
 def test_shutting_down_answers_503_and_requests_in_flight_finish(guarded) -> None:
     _, url, proc = guarded
     client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)

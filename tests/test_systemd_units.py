@@ -239,11 +239,13 @@ def test_example_gateway_table_loads_with_the_defaults() -> None:
 
 @needs_systemd_analyze
 def test_gateway_unit_is_tied_to_the_scheduler(tmp_path: Path) -> None:
-    """Verified with the others above; here: it starts after the scheduler is ready and
-    stops with it, and verify notices when that tie names a unit that does not exist."""
+    """Verified with the others above; here: it stops with the scheduler and after it
+    (ordered Before= it, so the scheduler drains first), and verify notices when that tie
+    names a unit that does not exist."""
     settings = _unit_settings(GATEWAY_UNIT)
     assert settings["BindsTo"] == [SCHEDULER_UNIT]
-    assert SCHEDULER_UNIT in settings["After"][0].split()
+    assert settings["Before"] == [SCHEDULER_UNIT]
+    assert SCHEDULER_UNIT not in " ".join(settings.get("After", []))
     assert settings["Type"] == ["notify"] and settings["WantedBy"] == [TARGET_UNIT]
     units = _stage_units(tmp_path)
     gateway = tmp_path / GATEWAY_UNIT

@@ -28,6 +28,7 @@ from expeditor.gateway.completions import ChatHandler, CompletionHandler
 from expeditor.gateway.http import (
     ClientGone,
     EventStreamResponse,
+    Stopped,
     check_api_key,
     read_body,
     unless_gone,
@@ -85,6 +86,12 @@ class Gateway:
         self.client: AsyncClient | None = None
         self.model: ServedModel | None = None
         self._model_lock = asyncio.Lock()
+        self.stopping = False
+        """Stopping: new requests get 503; those in flight get :meth:`drain`'s grace."""
+        self.active = 0
+        """Generation requests whose response is not over."""
+        self.stop_now = asyncio.Event()
+        """Set when the grace is over: open streams end with an error event."""
 
     def start(self) -> None:
         timeout = self.config.scheduler_timeout_s
@@ -99,6 +106,24 @@ class Gateway:
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.close()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; give those in flight ``grace_s`` to finish, then end the
+        rest (streams with an error event and ``[DONE]``, others with a 503)."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("stopping: ending %d request(s) still open", self.active)
+            self.stop_now.set()
+            deadline = loop.time() + 2.0
+            while self.active and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+
+    def finished(self) -> None:
+        self.active -= 1
 
     async def served_model(self) -> ServedModel:
         """The model, looked up once the scheduler has a worker (503 before)."""
@@ -193,20 +218,36 @@ def create_app(gateway: Gateway) -> FastAPI:
         return body, model
 
     async def _generate(request: Request, kind: type[Any], handler_type: type[Any]) -> Any:
+        if gateway.stopping:
+            raise GatewayRequestError(
+                "the gateway is shutting down", status=503, kind="ServiceUnavailableError"
+            )
         body, model = await _open(request, kind)
         handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
         await handler.prepare()
+        gateway.active += 1
+        streaming = False
         try:
             if body.stream:
                 # The first event is awaited here, so that a request the scheduler
                 # refuses gets its HTTP error status rather than an error event.
                 events = handler.stream()
-                first = await unless_gone(request, anext(events))
-                return EventStreamResponse(events, first=first)
-            return _json(await unless_gone(request, handler.complete()))
+                first = await unless_gone(request, anext(events), gateway.stop_now)
+                streaming = True
+                return EventStreamResponse(
+                    events, first=first, stop=gateway.stop_now, done=gateway.finished
+                )
+            return _json(await unless_gone(request, handler.complete(), gateway.stop_now))
         except ClientGone:
             log.info("client gone: aborted %s", handler.response_id)
             return Response(status_code=499)
+        except Stopped:
+            raise GatewayRequestError(
+                "the gateway is shutting down", status=503, kind="ServiceUnavailableError"
+            ) from None
+        finally:
+            if not streaming:
+                gateway.active -= 1
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

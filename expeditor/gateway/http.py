@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -16,9 +16,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from expeditor.gateway.protocol import GatewayRequestError
 
 __all__ = [
+    "STOPPING_EVENT",
     "ClientGone",
     "EventStreamResponse",
     "RawSend",
+    "Stopped",
     "check_api_key",
     "read_body",
     "unless_gone",
@@ -48,6 +50,17 @@ _T = TypeVar("_T")
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
+
+
+class Stopped(Exception):
+    """The gateway stopped before the answer was ready."""
+
+
+STOPPING_EVENT = (
+    b'data: {"error": {"message": "the gateway is shutting down", '
+    b'"type": "ServiceUnavailableError", "param": null, "code": 503}}\n\n'
+)
+"""The event that ends a stream cut short by the gateway's stop (before ``[DONE]``)."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -94,20 +107,27 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_gone(request: Request, work: Awaitable[_T]) -> _T:
-    """Run ``work`` (a coroutine) unless the client disconnects first: then cancel it
-    (which aborts its scheduler requests) and raise :class:`ClientGone`. Call after the
-    body was read."""
+async def unless_gone(
+    request: Request, work: Awaitable[_T], stop: asyncio.Event | None = None
+) -> _T:
+    """Run ``work`` (a coroutine) unless the client disconnects first (or ``stop`` is
+    set): then cancel it (which aborts its scheduler requests) and raise
+    :class:`ClientGone` (or :class:`Stopped`). Call after the body was read."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    watchers = [asyncio.ensure_future(_until_disconnect(request.receive))]
+    if stop is not None:
+        watchers.append(asyncio.ensure_future(stop.wait()))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, *watchers), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
     if task.done():
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    if stop is not None and stop.is_set():
+        raise Stopped
     raise ClientGone
 
 
@@ -116,11 +136,22 @@ class EventStreamResponse(Response):
     bytes. The iterator is closed (its ``finally`` blocks run: requests are aborted) as
     soon as the client disconnects, even while nothing is being sent."""
 
-    def __init__(self, events: AsyncIterator[bytes], *, first: bytes = b"") -> None:
-        """``first``: an event already taken from ``events``, sent before the rest."""
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        first: bytes = b"",
+        stop: asyncio.Event | None = None,
+        done: Callable[[], None] | None = None,
+    ) -> None:
+        """``first``: an event already taken from ``events``, sent before the rest.
+        ``stop``: when set, the stream ends at once with an error event and ``[DONE]``
+        (the gateway stops). ``done``: called once the response is over, however."""
         super().__init__(status_code=200, media_type="text/event-stream")
         self.events = events
         self.first = first
+        self.stop = stop
+        self.done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -134,18 +165,29 @@ class EventStreamResponse(Response):
                 ],
             }
         )
-        pump = asyncio.ensure_future(self._pump(scope.get(RAW_SEND, send)))
-        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        raw_send = scope.get(RAW_SEND, send)
+        pump = asyncio.ensure_future(self._pump(raw_send))
+        watchers = [asyncio.ensure_future(_until_disconnect(receive))]
+        if self.stop is not None:
+            watchers.append(asyncio.ensure_future(self.stop.wait()))
         try:
-            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((pump, *watchers), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
             if not pump.done():
                 pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
             aclose: Any = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.done is not None:
+                self.done()
+        if pump.cancelled() and self.stop is not None and self.stop.is_set():
+            for event in (STOPPING_EVENT, b"data: [DONE]\n\n", b""):
+                message = {"type": "http.response.body", "body": event, "more_body": bool(event)}
+                await raw_send(message)
+            return
         if not pump.cancelled() and pump.exception() is not None:
             raise pump.exception()  # type: ignore[misc]  # checked just above
 

@@ -1,9 +1,12 @@
 """Running the gateway: uvicorn with uvloop and httptools (the stack vLLM uses) serving
 :func:`~expeditor.gateway.app.create_app`, with sd_notify READY=1 once it listens.
 
-SIGTERM or SIGINT stops it gracefully: it stops accepting connections and gives open
-ones ``GRACEFUL_STOP_S`` to finish (streams in flight end when the scheduler drains).
-Under ``expeditor serve`` the supervisor stops the scheduler first.
+SIGTERM or SIGINT stops it gracefully: it stops accepting connections, answers 503 to
+new requests on open ones, and gives the requests in flight ``grace_s`` (the
+``[server]`` ``shutdown_timeout_s``) to finish; streams still open then end with an
+error event and ``[DONE]``, and their scheduler requests are aborted. Under
+``expeditor serve`` (and with the systemd units' ordering) the scheduler stops first:
+it drains, so the streams end normally before the gateway is asked to stop.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ __all__ = ["run_gateway"]
 
 log = logging.getLogger("expeditor.gateway")
 
-GRACEFUL_STOP_S = 30
-
 
 def _loop() -> str:
     try:
@@ -32,15 +33,41 @@ def _loop() -> str:
     return "uvloop"
 
 
-class _NotifyingServer(uvicorn.Server):
-    """Says READY=1 to systemd (when it started us with NOTIFY_SOCKET) once listening."""
+class _GatewayServer(uvicorn.Server):
+    """uvicorn, saying READY=1 to systemd (when it started us with NOTIFY_SOCKET) once
+    listening, and draining the gateway's requests before uvicorn's own shutdown (which
+    would cut streams after its timeout, with no error event)."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, grace_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.grace_s = grace_s
 
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         await super().startup(sockets=sockets)
         if self.started:
             from scheduler_svc.sdnotify import notify
 
+            config = self.gateway.config
+            log.info(
+                "gateway on http://%s:%d for %s (API key %s)",
+                config.host,
+                config.port,
+                self.gateway.frontend,
+                "required" if self.gateway.api_key else "not required",
+            )
             notify("READY=1")
+
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        for server in self.servers:
+            server.close()  # no new connections while the requests in flight finish
+        await self.gateway.drain(self.grace_s)
+        await super().shutdown(sockets=sockets)
+        # uvicorn re-raises the stop signal once shut down (dying by SIGTERM); a drained
+        # gateway exits 0 instead, as the scheduler does.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def run_gateway(
@@ -49,11 +76,12 @@ def run_gateway(
     *,
     api_key: str | None,
     curve: dict[str, bytes] | None = None,
+    grace_s: float = 30.0,
 ) -> int:
     """Serve until stopped; the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     gateway = Gateway(frontend, config, api_key=api_key, curve=curve)
-    server = _NotifyingServer(
+    server = _GatewayServer(
         uvicorn.Config(
             RawSend(create_app(gateway)),
             host=config.host,
@@ -62,16 +90,11 @@ def run_gateway(
             http="httptools",
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_STOP_S,
+            timeout_graceful_shutdown=5,  # after drain(): what is left is stuck
             server_header=False,
-        )
-    )
-    log.info(
-        "gateway on http://%s:%d for %s (API key %s)",
-        config.host,
-        config.port,
-        frontend,
-        "required" if api_key else "not required",
+        ),
+        gateway,
+        grace_s,
     )
     server.run()
     return 0 if server.started else 1
