@@ -23,6 +23,7 @@ GATEWAY_SERVER_FIELDS = (
     "curve_client_key",
     "insecure_tcp",
     "shutdown_timeout_s",
+    "max_prompt_bytes",
 )
 """The [server] settings the gateway uses: how it reaches the scheduler, and how long
 requests in flight get when it stops."""
@@ -83,5 +84,6 @@ def gateway(
             api_key=key,
             curve=curve,
             grace_s=server.shutdown_timeout_s,
+            max_prompt_bytes=server.max_prompt_bytes,
         )
     )

@@ -446,6 +446,15 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
     assert status == 400 and "only text parts" in error["message"]
     status, error = _error(_post(url, "/v1/completions", b"{not json"))
     assert status == 400 and "not valid JSON" in error["message"]
+    # Prompts the gateway renders and tokenizes itself keep the scheduler's byte limit.
+    huge = [{"role": "user", "content": "x" * (1024 * 1024 + 1)}]
+    status, error = _error(
+        _post(url, "/v1/chat/completions", {"model": model_name, "messages": huge})
+    )
+    assert status == 400 and error["param"] == "messages"
+    assert "max_prompt_bytes=1048576" in error["message"]
+    status, error = _error(_post(url, "/tokenize", {"messages": huge}))
+    assert status == 400 and error["param"] == "messages"
     # The scheduler's own refusals: a prompt beyond max_model_len, ids outside the vocab.
     status, error = _error(
         _post(url, "/v1/completions", {"model": model_name, "prompt": [5] * 300})

@@ -78,8 +78,13 @@ class Gateway:
         *,
         api_key: str | None = None,
         curve: dict[str, bytes] | None = None,
+        max_prompt_bytes: int = 1024 * 1024,
     ) -> None:
+        """``max_prompt_bytes``: the scheduler's limit on a text prompt ([server]), which
+        the gateway applies to the prompts it renders and tokenizes itself (chat,
+        /tokenize) before spending time on them."""
         self.frontend = frontend
+        self.max_prompt_bytes = max_prompt_bytes
         self.config = config
         self.api_key = api_key.encode() if api_key else None
         self.curve = curve or {}
@@ -157,7 +162,18 @@ class Gateway:
                 kind="NotFoundError",
             )
 
-    async def encode(self, model: ServedModel, text: str, *, special: bool) -> list[int]:
+    async def encode(
+        self, model: ServedModel, text: str, *, special: bool, field: str = "prompt"
+    ) -> list[int]:
+        """Token ids of a text the gateway tokenizes itself; a 400 naming ``field`` when
+        it is beyond max_prompt_bytes."""
+        limit = self.max_prompt_bytes
+        if len(text) > limit // 4 and (size := len(text.encode("utf-8", "replace"))) > limit:
+            raise GatewayRequestError(
+                f"{field}: the prompt is {size} bytes; this server takes at most "
+                f"max_prompt_bytes={limit}",
+                param=field,
+            )
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return model.encode(text, add_special_tokens=special)
         return await asyncio.to_thread(model.encode, text, add_special_tokens=special)
@@ -314,7 +330,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 text = model.template().render(
                     body.messages, add_generation_prompt=body.add_generation_prompt
                 )
-                tokens = await gateway.encode(model, text, special=False)
+                tokens = await gateway.encode(model, text, special=False, field="messages")
             else:
                 assert body.prompt is not None
                 tokens = await gateway.encode(model, body.prompt, special=body.add_special_tokens)

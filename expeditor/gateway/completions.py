@@ -401,7 +401,7 @@ class ChatHandler(_Handler):
             continue_final_message=body.continue_final_message,
             extra=body.chat_template_kwargs,
         )
-        token_ids = await self.gateway.encode(self.model, text, special=False)
+        token_ids = await self.gateway.encode(self.model, text, special=False, field="messages")
         if not token_ids:
             raise GatewayRequestError("messages: the rendered prompt is empty", param="messages")
         self.prompts = [(None, token_ids)]

@@ -74,7 +74,11 @@ class ServedModel:
         return text
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``. Through ``encode_batch``, which releases the GIL while it
+        works (``encode`` holds it), so a long text encoded on a thread does not stall
+        the event loop."""
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -77,10 +77,13 @@ def run_gateway(
     api_key: str | None,
     curve: dict[str, bytes] | None = None,
     grace_s: float = 30.0,
+    max_prompt_bytes: int = 1024 * 1024,
 ) -> int:
     """Serve until stopped; the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    gateway = Gateway(frontend, config, api_key=api_key, curve=curve)
+    gateway = Gateway(
+        frontend, config, api_key=api_key, curve=curve, max_prompt_bytes=max_prompt_bytes
+    )
     server = _GatewayServer(
         uvicorn.Config(
             RawSend(create_app(gateway)),
