@@ -2,7 +2,8 @@
 # The HTTP gateway against the ZeroMQ client library, same workload, same settings:
 # `expeditor serve --http` driven through `--target openai:URL` (streamed completions,
 # token-id prompts) and `--target expeditor` (serve started by the bench, streamed
-# through ipc.AsyncClient), in one `expeditor bench` run per round, R rounds; prints
+# through ipc.AsyncClient; the --http server stays up meanwhile, idle), in one
+# `expeditor bench` run per round, R rounds; prints
 # each round and the median ratio of output tokens/s.
 #
 #   bash benchmarks/gateway_vs_zmq.sh [tiny|small]      (from the repository root)
@@ -20,6 +21,7 @@ WORKLOAD=${WORKLOAD:-skewed}
 OUT=${OUT:-out/gateway}
 PY=.venv/bin/python
 EXPEDITOR=.venv/bin/expeditor
+[[ -x $EXPEDITOR ]] || { echo "no $EXPEDITOR: set up the project's .venv first (./run setup)" >&2; exit 1; }
 mkdir -p "$OUT"
 # shellcheck source=benchmarks/openai_servers.sh
 source benchmarks/openai_servers.sh # servers stopped on exit

@@ -1,4 +1,5 @@
-# Helpers for the HTTP benchmark scripts (peer_openai.sh, sglang_bench.sh): sourced, not run.
+# Helpers for the HTTP benchmark scripts (peer_openai.sh, sglang_bench.sh,
+# gateway_vs_zmq.sh): sourced, not run.
 # Expects the caller to be at the repository root with `set -euo pipefail`, and PY set to
 # the project's python (.venv/bin/python).
 

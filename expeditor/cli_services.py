@@ -21,7 +21,8 @@ from shared.server_config import ServerConfig, load_server_config
 from shared.swap_pool import SHM_DIR, remove_stale_segments
 
 ConfigFile = Annotated[
-    Path | None, typer.Option("--config", help="TOML file with [server] and [scheduler] tables.")
+    Path | None,
+    typer.Option("--config", help="TOML file with [server], [scheduler] and [gateway] tables."),
 ]
 
 

@@ -81,6 +81,11 @@ def test_prompt_forms() -> None:
         (b'{"prompt": "x", "logit_bias": {"5": 1}}', "logit_bias", "not supported"),
         (b'{"prompt": "x", "best_of": 3}', "best_of", "best_of == n"),
         (b'{"prompt": "x", "suffix": "y"}', "suffix", "not supported"),
+        (
+            b'{"prompt": "x", "include_stop_str_in_output": true}',
+            "include_stop_str_in_output",
+            "not supported",
+        ),
         (b'{"prompt": "x", "echo": true, "logprobs": 1}', "echo", "prompt's logprobs"),
         (b'{"max_tokens": 1}', "prompt", "required"),
         (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", ""),

@@ -63,7 +63,9 @@ __all__ = ["Gateway", "create_app"]
 log = logging.getLogger("expeditor.gateway")
 
 CONTROL_TIMEOUT_S = 5.0
-"""How long /health, /metrics and the model lookup wait for the scheduler."""
+"""How long /metrics and the model lookup wait for the scheduler."""
+HEALTH_TIMEOUT_S = 2.0
+"""How long /health waits: a probe gets its 503 within a load balancer's timeout."""
 INLINE_TOKENIZE_CHARS = 16_384
 """Longer chat prompts are tokenized on a thread, off the event loop."""
 
@@ -295,7 +297,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def health() -> Response:
         assert gateway.client is not None
         try:
-            status = await gateway.client.health(timeout=CONTROL_TIMEOUT_S)
+            status = await gateway.client.health(timeout=HEALTH_TIMEOUT_S)
         except (ServerError, ServerUnavailableError, ClientTimeoutError, ClientClosedError):
             return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
         serving = status.status in (HealthState.OK, HealthState.DEGRADED)

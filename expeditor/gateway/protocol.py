@@ -77,6 +77,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    include_stop_str_in_output: bool = False
 
     def _refuse_unsupported(self) -> None:
         for name, neutral in (
@@ -89,6 +90,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 raise GatewayRequestError(
                     f"{name}: not supported by this server (only {neutral} is)", param=name
                 )
+        if self.include_stop_str_in_output:
+            raise GatewayRequestError(
+                "include_stop_str_in_output: not supported by this server (the text ends "
+                "before the stop string; stop_reason names it)",
+                param="include_stop_str_in_output",
+            )
         if self.logit_bias:
             raise GatewayRequestError(
                 "logit_bias: not supported by this server", param="logit_bias"
