@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from expeditor.cli_options import with_config_options
+from gpu_worker.tiny_model import ARCHS  # names only: the module loads torch lazily
 from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, Simulation, TraceError, load_trace
 from scheduler_svc.traces import generate_trace, write_trace
 from shared.config import SchedulerConfig, load_config
@@ -181,19 +182,7 @@ def make_trace(
 def make_tiny_model_cmd(
     out: Annotated[Path, typer.Argument(help="Checkpoint directory to write.")],
     arch: Annotated[
-        Literal[
-            "llama",
-            "qwen2",
-            "qwen3",
-            "mistral",
-            "gemma2",
-            "gemma3",
-            "phi3",
-            "mixtral",
-            "qwen3_moe",
-            "olmo2",
-            "granite",
-        ],
+        Literal[ARCHS],  # type: ignore[valid-type]  # the names, as typer's choices
         typer.Option(
             help="Model architecture (gemma3: Gemma 3's text model). mistral, qwen2, gemma2 "
             "and gemma3 have sliding-window layers (22 tokens)."

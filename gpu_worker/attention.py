@@ -149,19 +149,10 @@ def expeditor_attention(
     window: int | None = kwargs.get("sliding_window") or None
     softcap: float | None = kwargs.get("softcap") or None
     plan = meta.cpu_plan
+    paged = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
     if plan is None and use_triton(q, key_cache):
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scaling,
-            window=window,
-            softcap=softcap,
-        )
+        out = paged_attention(*paged, scaling, window=window, softcap=softcap)
         return out.unsqueeze(0), None
     if plan is None:
         check_attention_args(
@@ -178,17 +169,7 @@ def expeditor_attention(
             key_cache.index_put_(plan.store_index, k.index_select(0, plan.store_tokens))
             value_cache.index_put_(plan.store_index, v.index_select(0, plan.store_tokens))
     if window is not None or softcap is not None:
-        out = paged_attention_cpu(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scaling,
-            window=window,
-            softcap=softcap,
-        )
+        out = paged_attention_cpu(*paged, scaling, window=window, softcap=softcap)
         return out.unsqueeze(0), None
     layer = module.layer_idx  # type: ignore[assignment]
     out = attend_cpu(plan, q, key_cache, value_cache, scaling, layer, k, v)  # type: ignore[arg-type]

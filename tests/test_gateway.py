@@ -346,7 +346,9 @@ def test_raw_sse_bytes(server, model_name) -> None:
 # -- disconnects -----------------------------------------------------------------------------
 
 
-def _disconnect_after(url: str, body: dict, read_bytes: int) -> bytes:
+def _send_completion(url: str, body: dict) -> socket.socket:
+    """A socket on which a POST /v1/completions of ``body`` was sent, for tests that
+    read part of the answer or hang up."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     data = json.dumps(body).encode()
@@ -355,6 +357,11 @@ def _disconnect_after(url: str, body: dict, read_bytes: int) -> bytes:
         + f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
+    return sock
+
+
+def _disconnect_after(url: str, body: dict, read_bytes: int) -> bytes:
+    sock = _send_completion(url, body)
     got = b""
     while len(got) < read_bytes:
         chunk = sock.recv(4096)
@@ -382,14 +389,7 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(
             got = _disconnect_after(url, body, 1)  # headers at least: it is running
             assert got.startswith(b"HTTP/1.1 200")
         else:
-            host, port = url.removeprefix("http://").split(":")
-            sock = socket.create_connection((host, int(port)), timeout=30)
-            data = json.dumps(body).encode()
-            sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                + f"Content-Length: {len(data)}\r\n\r\n".encode()
-                + data
-            )
+            sock = _send_completion(url, body)
             deadline = time.monotonic() + 20
             while not (client.inspect().snapshot.seqs):  # running on the scheduler
                 assert time.monotonic() < deadline
@@ -627,13 +627,7 @@ def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, 
             time.sleep(0.1)
         # 1000 decode steps of one sequence: still running when the 0.2 s grace ends.
         body = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        data = json.dumps(body).encode()
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-            + f"Content-Length: {len(data)}\r\n\r\n".encode()
-            + data
-        )
+        sock = _send_completion(url, body)
         got = sock.recv(65536)
         assert got.startswith(b"HTTP/1.1 200")
         gateway.send_signal(signal.SIGTERM)
