@@ -192,7 +192,9 @@ def render(reply: InspectReply) -> Group:
         summary.add_row("finished", ", ".join(f"{k} {v}" for k, v in snap.finished.items()))
     if reply.step_times is not None:
         summary.add_row("step ms", step_times_line(reply.step_times))
-    workers = Table(title="workers")
+    group = max((w.group_size for w in reply.workers), default=1)
+    title = f"workers: one tensor-parallel group of {group} ranks" if group > 1 else "workers"
+    workers = Table(title=title)
     for column in ("rank", "pid", "device", "state", "KV blocks"):
         workers.add_column(column)
     for w in reply.workers:

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from gpu_worker.group import join_group
 from gpu_worker.model_runner import ModelRunner, resolve_device
 from ipc.curve import client_curve_options, endpoint_needs_curve
 from ipc.schema import (
@@ -47,6 +48,10 @@ from shared.server_config import SUPERVISED_ENV
 from shared.swap_pool import SwapPoolSegment
 
 log = logging.getLogger("expeditor.worker")
+
+RESTART_EXIT = 3
+"""Exit status of a rank told to leave because its tensor-parallel group lost a member:
+non-zero, so that systemd's Restart=on-failure starts it again (serve restarts any)."""
 
 HEARTBEAT_S = 0.5
 SETUP_TIMEOUT_S = 120.0
@@ -94,6 +99,8 @@ class WorkerDaemon:
         self.sock.connect(endpoint)
         self.runner: ModelRunner | None = None
         self.pool: SwapPoolSegment | None = None
+        self.group_size = 1
+        """Ranks of this worker's tensor-parallel group (1: a whole replica)."""
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.stop = False
         self.last_beat = 0.0
@@ -216,6 +223,9 @@ class WorkerDaemon:
                 elif isinstance(message, AttachSwapPool):
                     pending.append(self._queue(self._attach, message.name))
                 elif isinstance(message, Shutdown):
+                    if message.restart:
+                        log.warning("rank %d: its group lost a rank; leaving to restart", self.rank)
+                        return RESTART_EXIT
                     log.info("rank %d: shutdown", self.rank)
                     return 0
         return 0
@@ -232,6 +242,16 @@ class WorkerDaemon:
             from gpu_worker.tiny_model import default_model_dir
 
             model_dir = str(default_model_dir())
+        self.group_size = setup.tensor_parallel_size
+        group = None
+        if self.group_size > 1:
+            group = join_group(
+                self.rank,
+                self.group_size,
+                setup.dist_master_addr,
+                setup.dist_master_port,
+                self.device,
+            )
         self.runner = ModelRunner(
             model_dir,
             device=self.device,
@@ -239,10 +259,19 @@ class WorkerDaemon:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             num_gpu_blocks=setup.num_gpu_blocks or (None if self.device.type == "cuda" else 1024),
             gpu_memory_utilization=setup.gpu_memory_utilization,
+            group=group,
         )
         if setup.swap_pool:
             self._attach(setup.swap_pool)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.group_size > 1:
+            # Timing forwards would run collectives a different number of times on each
+            # rank: split the cores instead.
+            import torch
+
+            threads = self.cpu_threads or max(1, (os.cpu_count() or 1) // self.group_size)
+            torch.set_num_threads(threads)
+            log.info("rank %d: %d torch threads (a core share of the group)", self.rank, threads)
+        elif self.device.type == "cpu":
             from gpu_worker.threads import choose_cpu_threads
 
             choose_cpu_threads(self.runner, self.cpu_threads)
@@ -251,7 +280,8 @@ class WorkerDaemon:
             pid=os.getpid(),
             device=str(self.device),
             num_gpu_blocks=self.runner.num_gpu_blocks,
-            kv_bytes_per_block=self.runner.layout.bytes_per_block,
+            kv_bytes_per_block=self.runner.layout.bytes_per_block * self.group_size,
+            tensor_parallel_size=self.group_size,
             block_size=setup.block_size,
             model=os.path.abspath(model_dir),
             eos_token_ids=self.runner.eos_token_ids,
@@ -263,7 +293,8 @@ class WorkerDaemon:
         if self.pool is not None:
             return
         self.pool = SwapPoolSegment.attach(name)
-        self.runner.kv_cache.attach_swap_pool(self.pool)
+        ranks = self.group_size
+        self.runner.kv_cache.attach_swap_pool(self.pool, self.rank if ranks > 1 else 0, ranks)
 
 
 def run_worker(
@@ -287,4 +318,10 @@ def run_worker(
     except ValueError as exc:  # ConfigError included
         log.error("%s", exc)
         return 2
-    return daemon.run()
+    code = daemon.run()
+    if daemon.group_size > 1:
+        # A step thread may be stuck in a collective whose peer died: do not wait for it
+        # at interpreter exit.
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -89,10 +89,17 @@ class KVCache:
         if swap_pool is not None:
             self.attach_swap_pool(swap_pool)
 
-    def attach_swap_pool(self, segment: SwapPoolSegment) -> None:
+    def attach_swap_pool(self, segment: SwapPoolSegment, rank: int = 0, ranks: int = 1) -> None:
+        """Map the segment. A tensor-parallel group shares one: rank r of N owns the r-th
+        of N equal contiguous parts (its KV heads of every pool block)."""
         bpb = self.layout.bytes_per_block
-        num_cpu_blocks = segment.size // bpb
-        raw = torch.frombuffer(segment.buf, dtype=torch.uint8, count=num_cpu_blocks * bpb)
+        num_cpu_blocks = segment.size // (bpb * ranks)
+        raw = torch.frombuffer(
+            segment.buf,
+            dtype=torch.uint8,
+            count=num_cpu_blocks * bpb,
+            offset=rank * num_cpu_blocks * bpb,
+        )
         self.cpu_pool = raw.view(self.layout.dtype).view(num_cpu_blocks, *self.layout.block_shape)
         if self.device.type == "cuda":
             # Pin the mapped pages so device<->host copies run as DMA.

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
@@ -24,6 +26,7 @@ from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.kv_cache import KVCache, KVLayout
 from gpu_worker.sampler import Sampler, make_generator
+from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
 from shared.sampling import SamplingParams
@@ -109,11 +112,17 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         dtype: torch.dtype | None = None,
         swap_pool: SwapPoolSegment | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
+        """``group``: this rank's tensor-parallel group; the model is then sharded over
+        it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads."""
         self.device = device
         self.block_size = block_size
         config = AutoConfig.from_pretrained(model_dir)
         check_supported(config)
+        world = dist.get_world_size(group) if group is not None else 1
+        if world > 1:
+            check_tp_supported(config, world)
         self.config = config
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         impl = attention.register()
@@ -122,6 +131,9 @@ class ModelRunner:
             model_dir, dtype=self.dtype, attn_implementation=impl
         ).to(device)
         self.model.eval()
+        if world > 1:
+            shard_model(self.model, config, dist.get_rank(group), world, group)
+        self.group = group
         self.logits = logits_fn(self.model, config)
         """hidden rows -> logits, as the checkpoint's own head computes them."""
         head_dim = getattr(config, "head_dim", None) or (
@@ -129,7 +141,7 @@ class ModelRunner:
         )
         self.layout = KVLayout(
             num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=local_kv_heads(config, world),
             head_dim=head_dim,
             block_size=block_size,
             dtype=self.dtype,
@@ -178,6 +190,10 @@ class ModelRunner:
         _, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * utilization) - peak
         blocks = budget // self.layout.bytes_per_block
+        if self.group is not None:  # every rank of a group holds the same block count
+            smallest = torch.tensor([blocks], device=self.device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.group)
+            blocks = int(smallest.item())
         if blocks < 1:
             raise RuntimeError(
                 f"no room for the KV cache: peak use {peak / 2**30:.1f} GiB of "

@@ -244,6 +244,9 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     """Every token id that ends generation (a model may list several)."""
     vocab_size: int = 0
     """Rows of the model's embedding: prompt token ids must be below it (0 = unknown)."""
+    tensor_parallel_size: int = 1
+    """The group this rank belongs to; ``kv_bytes_per_block`` is then the whole group's
+    (each rank holds 1/N of it, and of every swap-pool block)."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -322,6 +325,11 @@ class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_fi
     gpu_memory_utilization: float = 0.9
     swap_pool: str | None = None
     """Name of the shared-memory swap pool, once it exists."""
+    tensor_parallel_size: int = 1
+    """Ranks holding one copy of the model together (1: each rank a whole replica)."""
+    dist_master_addr: str = ""
+    dist_master_port: int = 0
+    """The group's rendezvous (rank 0 listens there), when tensor_parallel_size > 1."""
 
 
 class AttachSwapPool(
@@ -344,7 +352,11 @@ class WorkerError(msgspec.Struct, frozen=True, kw_only=True, tag="worker_error",
 
 
 class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown", tag_field="type"):
-    """Leave cleanly (exit 0)."""
+    """Leave cleanly (exit 0); with ``restart``, exit 3 so that the supervisor (or
+    systemd's Restart=on-failure) starts the worker again: a tensor-parallel group that
+    lost a rank restarts as a whole."""
+
+    restart: bool = False
 
 
 # -- client <-> scheduler ------------------------------------------------------------------
@@ -448,6 +460,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     device: str
     state: WorkerStatus
     num_gpu_blocks: int | None = None
+    group_size: int = 1
+    """Ranks of its tensor-parallel group (1: a whole replica); known once ready."""
 
 
 class HealthStatus(

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -45,6 +46,12 @@ from shared.server_config import SUPERVISED_ENV, ServerConfig
 from shared.swap_pool import SwapPoolSegment, remove_stale_segments
 
 log = logging.getLogger("expeditor.scheduler")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _model_max_len(model_dir: str) -> int | None:
@@ -91,10 +98,19 @@ class SchedulerDaemon:
                         "inspect and abort requests",
                         address,
                     )
-        self.registry = WorkerRegistry(server.workers, server.worker_timeout_s)
+        self.registry = WorkerRegistry(server.num_ranks, server.worker_timeout_s)
         self.executor = RemoteExecutor(
-            self.backend, self.registry, self, step_timeout_s=server.step_timeout_s
+            self.backend,
+            self.registry,
+            self,
+            step_timeout_s=server.step_timeout_s,
+            group=server.tensor_parallel_size > 1,
         )
+        self.dist_port = server.dist_master_port or (
+            _free_port(server.dist_master_addr) if server.tensor_parallel_size > 1 else 0
+        )
+        """The tensor-parallel group's rendezvous port (0 in the config: one picked here,
+        for ranks on this machine, as under serve)."""
         self.core: Scheduler | None = None
         self.engine: StepEngine | None = None
         """The core and the workers, once the first worker said hello."""
@@ -243,12 +259,17 @@ class SchedulerDaemon:
             num_gpu_blocks=blocks,
             gpu_memory_utilization=self.server.gpu_memory_utilization,
             swap_pool=self.swap_pool.name if self.swap_pool else None,
+            tensor_parallel_size=self.server.tensor_parallel_size,
+            dist_master_addr=self.server.dist_master_addr,
+            dist_master_port=self.dist_port,
         )
 
     def accept_hello(self, handle: WorkerHandle, hello: WorkerHello) -> str | None:
         """The first hello sizes the core; later ones must match it."""
         if hello.block_size != self.config.block_size:
             return f"block_size {hello.block_size}"
+        if hello.tensor_parallel_size != self.server.tensor_parallel_size:
+            return f"a tensor-parallel group of {hello.tensor_parallel_size}"
         if self.core is None:
             self._create_core(hello)
             for other in self.registry.workers.values():

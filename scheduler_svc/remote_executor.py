@@ -80,11 +80,15 @@ class RemoteExecutor:
         host: WorkerHost,
         *,
         step_timeout_s: float,
+        group: bool = False,
     ) -> None:
+        """``group``: the ranks are one tensor-parallel group, which cannot lose a member:
+        losing one takes the others down too (their supervisor restarts them all)."""
         self.socket = socket
         self.registry = registry
         self.host = host
         self.step_timeout_s = step_timeout_s
+        self.group = group
         self.inflight: deque[_Inflight] = deque()
         """Steps sent and not answered by every rank, oldest first."""
 
@@ -235,6 +239,7 @@ class RemoteExecutor:
             except OSError as exc:  # gone already, or not ours to kill
                 log.warning("could not kill pid %d: %s", handle.pid, exc)
         self._fail_all(f"step {inflight.step} hung")
+        self._take_down_group()
 
     def _lose(self, identity: bytes) -> None:
         handle = self.registry.drop(identity)
@@ -245,10 +250,28 @@ class RemoteExecutor:
         """The device cache of a dropped worker is gone: fail the step in flight (its
         driver then re-queues), or have the host re-queue now if idle."""
         log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
+        self._take_down_group()
         if self.inflight:
             self._fail_all(f"rank {handle.rank} lost")
         else:
             self.host.worker_lost_idle()
+
+    def _take_down_group(self) -> None:
+        """A tensor-parallel group is restarted as a whole (torch.distributed cannot lose
+        a member; the others would wait on it in their next collective): drop every
+        other rank, tell it to leave, and kill it when it runs on this machine (it may
+        be stuck in a collective), so serve or systemd starts them all afresh."""
+        if not self.group:
+            return
+        for other in list(self.registry.workers.values()):
+            self.registry.drop(other.identity)
+            log.error("rank %d (pid %d) leaves with its group", other.rank, other.pid)
+            self.send(other, Shutdown(restart=True))
+            if other.start_time:  # in this pid namespace
+                try:
+                    os.kill(other.pid, signal.SIGKILL)
+                except OSError as exc:
+                    log.warning("could not kill pid %d: %s", other.pid, exc)
 
 
 def _log_send_failure(future: asyncio.Future[object]) -> None:

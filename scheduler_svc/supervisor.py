@@ -107,7 +107,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         try:
             self.scheduler = self._spawn("scheduler")
-            for rank in range(self.server.workers):
+            for rank in range(self.server.num_ranks):
                 self._spawn_worker(rank)
             if not self._wait_ready():
                 return 1

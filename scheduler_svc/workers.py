@@ -104,6 +104,7 @@ class WorkerRegistry:
                 device=w.device,
                 state=w.state,
                 num_gpu_blocks=w.hello.num_gpu_blocks if w.hello else None,
+                group_size=w.hello.tensor_parallel_size if w.hello else 1,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.rank) + self.lost
         ]

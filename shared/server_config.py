@@ -57,8 +57,39 @@ class ServerConfig(Settings, frozen=True):
         str, Meta(description="Endpoint workers connect to, like frontend.")
     ] = ""
     workers: Annotated[
-        int, Meta(ge=1, description="Worker processes (ranks) expected; each runs every plan.")
+        int,
+        Meta(
+            ge=1,
+            description="Worker processes (ranks) expected. Without tensor parallelism each "
+            "is a whole replica that runs every plan; with tensor_parallel_size N it must be "
+            "N (or 1, which means N).",
+        ),
     ] = 1
+    tensor_parallel_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Ranks that together hold one copy of the model, each 1/N of its "
+            "attention heads, KV heads and MLP (one torch.distributed group: gloo on CPU, "
+            "NCCL on CUDA).",
+        ),
+    ] = 1
+    dist_master_addr: Annotated[
+        str,
+        Meta(
+            description="Rendezvous of the tensor-parallel group: the address where rank 0 "
+            "listens (reachable from every rank's machine)."
+        ),
+    ] = "127.0.0.1"
+    dist_master_port: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=65535,
+            description="Rendezvous port on dist_master_addr; 0 = serve picks a free one "
+            "(workers started on their own need it set).",
+        ),
+    ] = 0
     device: Annotated[
         str, Meta(description="Worker device: auto, cpu, cuda or cuda:N."), _DEVICE
     ] = "auto"
@@ -143,6 +174,13 @@ class ServerConfig(Settings, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.tensor_parallel_size > 1 and self.workers not in (1, self.tensor_parallel_size):
+            raise ConfigError(
+                f"workers: with tensor_parallel_size {self.tensor_parallel_size} the workers "
+                f"are the group's ranks: give {self.tensor_parallel_size} (or leave it at 1), "
+                f"got {self.workers}",
+                field="workers",
+            )
         if self.max_prompt_bytes >= self.max_frame_bytes:
             raise ConfigError(
                 f"max_prompt_bytes ({self.max_prompt_bytes}) must be below max_frame_bytes "
@@ -168,6 +206,11 @@ class ServerConfig(Settings, frozen=True):
             check_endpoint(
                 name, getattr(self, name), curve=self.curve, insecure_tcp=self.insecure_tcp
             )
+
+    @property
+    def num_ranks(self) -> int:
+        """Worker processes the scheduler waits for: the group's ranks, or the replicas."""
+        return self.tensor_parallel_size if self.tensor_parallel_size > 1 else self.workers
 
     @property
     def curve(self) -> bool:

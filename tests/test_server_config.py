@@ -157,6 +157,9 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("worker_endpoint", "w.sock"),
     ("workers", 0),
     ("workers", True),
+    ("tensor_parallel_size", 0),
+    ("dist_master_addr", 5),
+    ("dist_master_port", 70000),
     ("device", "tpu"),
     ("cpu_threads", -1),
     ("cpu_threads", 1.5),
@@ -241,6 +244,9 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
         workers=3,
         device="cuda:1",
         cpu_threads=3,
+        tensor_parallel_size=3,
+        dist_master_addr="10.0.0.1",
+        dist_master_port=29500,
         gpu_memory_utilization=0.5,
         client_timeout_s=1.5,
         worker_timeout_s=2.0,
@@ -267,3 +273,12 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
 def test_tables_share_no_field_name() -> None:
     """Both tables read EXPEDITOR_<FIELD> and --field flags: a name in both would clash."""
     assert not set(SERVER_FIELDS) & set(SCHEDULER_FIELDS)
+
+
+def test_tensor_parallel_ranks_are_the_workers() -> None:
+    assert ServerConfig(tensor_parallel_size=4).num_ranks == 4
+    assert ServerConfig(tensor_parallel_size=4, workers=4).num_ranks == 4
+    assert ServerConfig(workers=3).num_ranks == 3  # replicas
+    with pytest.raises(ConfigError, match=r"^workers: with tensor_parallel_size 2") as info:
+        ServerConfig(tensor_parallel_size=2, workers=3)
+    assert info.value.field == "workers"

@@ -1,0 +1,267 @@
+"""Tensor-parallel sharding (gpu_worker.tensor_parallel) on CPU with the gloo backend.
+
+One spawn of 2 processes shards every architecture of TP_ARCHS (plus a llama with biases
+on every projection) and saves its logits, greedy continuation, parameter shapes and
+bytes; the parent compares them with the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen3MoeConfig,
+)
+
+from gpu_worker.tensor_parallel import TP_ARCHS, check_tp_supported, local_kv_heads, shard_model
+from gpu_worker.tiny_model import make_tiny_model
+
+WORLD = 2
+BIASED = "llama_bias"  # llama with a bias on every projection, o_proj/down_proj included
+CASES = (*TP_ARCHS, BIASED)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+SEQ = 30  # longer than the tiny models' sliding window (22)
+GEN_PROMPT, GEN_TOKENS = 6, 8
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, 259, (2, SEQ), generator=g)
+    positions = torch.stack([torch.arange(SEQ), torch.arange(SEQ) + 7])
+    return ids, positions
+
+
+def _run(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    ids, positions = _batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        prompt = ids[:1, :GEN_PROMPT]
+        tokens = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=GEN_TOKENS,
+            min_new_tokens=GEN_TOKENS,
+        )
+    return {"logits": logits, "tokens": tokens}
+
+
+def _load(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        for name, path in paths.items():
+            model = _load(Path(path))
+            shard_model(model, model.config, rank, WORLD)
+            params = dict(model.named_parameters())
+            result: dict[str, Any] = _run(model)
+            result["shapes"] = {n: tuple(p.shape) for n, p in params.items()}
+            result["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+            # Each parameter owns its storage: the full tensors are not kept alive.
+            result["storage_bytes"] = sum(p.untyped_storage().nbytes() for p in params.values())
+            try:
+                shard_model(model, model.config, rank, WORLD)
+                result["reshard_error"] = None
+            except RuntimeError as exc:
+                result["reshard_error"] = str(exc)
+            torch.save(result, Path(out) / f"{name}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _make_biased(path: Path, base: Path) -> None:
+    """The tiny llama with random biases on q/k/v/o and gate/up/down."""
+    config = AutoConfig.from_pretrained(base)
+    config.attention_bias = True
+    config.mlp_bias = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, _ = model.load_state_dict(_load(base).state_dict(), strict=False)
+    assert missing and all(n.endswith(".bias") for n in missing)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name in missing:
+            param = model.get_parameter(name)
+            param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tp")
+    paths: dict[str, Path] = {}
+    for model_type in TP_ARCHS:
+        arch = "gemma3" if model_type == "gemma3_text" else model_type
+        paths[model_type] = make_tiny_model(root / arch, arch=arch)
+    paths[BIASED] = root / BIASED
+    _make_biased(paths[BIASED], paths["llama"])
+    out = root / "out"
+    out.mkdir()
+    mp.spawn(
+        _worker,
+        args=(_free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
+        nprocs=WORLD,
+        join=True,
+    )
+    results = {
+        name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
+        for name in CASES
+    }
+    return {"paths": paths, "results": results}
+
+
+def _expected_bytes(model: torch.nn.Module) -> int:
+    """Per-rank bytes: column-parallel weights/biases and row-parallel weights halved,
+    everything else (embedding, norms, lm_head, row-parallel biases) replicated."""
+    total = 0
+    for name, p in model.named_parameters():
+        module, kind = name.split(".")[-2:]
+        split = module in COLUMN or (module in ROW and kind == "weight")
+        total += p.numel() * p.element_size() // (WORLD if split else 1)
+    return total
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sharded_matches_unsharded(sharded: dict[str, Any], name: str) -> None:
+    reference_model = _load(sharded["paths"][name])
+    reference = _run(reference_model)
+    ranks = sharded["results"][name]
+    for result in ranks:
+        diff = (result["logits"] - reference["logits"]).abs().max().item()
+        assert torch.allclose(result["logits"], reference["logits"], rtol=1e-5, atol=1e-4), diff
+        assert torch.equal(result["tokens"], reference["tokens"])
+        assert result["tokens"].shape[1] == GEN_PROMPT + GEN_TOKENS
+    # Every rank computes the same logits bit for bit, so every rank samples alike.
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_shards_hold_half_the_projections(sharded: dict[str, Any], name: str) -> None:
+    model = _load(sharded["paths"][name])
+    config = model.config
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    proj_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.split(".")[-2] in (*COLUMN, *ROW)
+    )
+    expected = _expected_bytes(model)
+    for result in sharded["results"][name]:
+        shapes = result["shapes"]
+        assert result["bytes"] == expected == result["storage_bytes"]
+        # Projections are the bulk even of the tiny models; a no-op sharding fails here.
+        assert result["bytes"] <= full_bytes - proj_bytes // 2 + proj_bytes // 16
+        layer = "model.layers.0"
+        q = shapes[f"{layer}.self_attn.q_proj.weight"]
+        assert q == (config.num_attention_heads * config.head_dim // WORLD, config.hidden_size)
+        assert shapes[f"{layer}.self_attn.k_proj.weight"] == (
+            config.num_key_value_heads * config.head_dim // WORLD,
+            config.hidden_size,
+        )
+        assert shapes[f"{layer}.self_attn.o_proj.weight"] == (
+            config.hidden_size,
+            config.num_attention_heads * config.head_dim // WORLD,
+        )
+        inter = config.intermediate_size // WORLD
+        assert shapes[f"{layer}.mlp.up_proj.weight"] == (inter, config.hidden_size)
+        assert shapes[f"{layer}.mlp.down_proj.weight"] == (config.hidden_size, inter)
+        replicated = [n for n in full if n.split(".")[-2] not in (*COLUMN, *ROW)]
+        assert replicated and all(shapes[n] == full[n] for n in replicated)
+        assert "already sharded" in result["reshard_error"]
+    if name == BIASED:
+        shapes = sharded["results"][name][0]["shapes"]
+        assert "model.layers.0.self_attn.o_proj.bias" not in shapes
+        assert shapes["model.layers.0.self_attn.o_proj.tp_bias"] == (config.hidden_size,)
+        assert shapes["model.layers.0.self_attn.q_proj.bias"] == (
+            config.num_attention_heads * config.head_dim // WORLD,
+        )
+
+
+def _llama(**overrides: int) -> LlamaConfig:
+    sizes = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "vocab_size": 32,
+    }
+    return LlamaConfig(**{**sizes, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "reason"),
+    [
+        (Phi3Config(num_attention_heads=4, num_key_value_heads=2), 2, "fused qkv_proj"),
+        (MixtralConfig(num_attention_heads=4, num_key_value_heads=2), 2, "mixture-of-experts"),
+        (Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2), 2, "mixture-of-experts"),
+        (Olmo2Config(num_attention_heads=4, num_key_value_heads=2), 2, "over all heads"),
+        (_llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2, "kv"),
+        (_llama(), 4, "num_key_value_heads = 2"),
+        (_llama(num_key_value_heads=4), 8, "num_attention_heads = 4"),
+        (_llama(intermediate_size=130, num_key_value_heads=4), 4, "intermediate_size = 130"),
+    ],
+)
+def test_refusals(config: Any, world: int, reason: str) -> None:
+    if reason == "kv":
+        reason = "num_key_value_heads = 3 of 'llama' is not divisible by the tensor-parallel"
+    with pytest.raises(ValueError, match=reason) as excinfo:
+        check_tp_supported(config, world)
+    assert config.model_type in str(excinfo.value)
+    with pytest.raises(ValueError, match=reason):
+        local_kv_heads(config, world)
+
+
+def test_world_size_one_and_local_kv_heads() -> None:
+    check_tp_supported(Phi3Config(), 1)  # nothing to shard, nothing to refuse
+    with pytest.raises(ValueError, match=">= 1"):
+        check_tp_supported(_llama(), 0)
+    assert local_kv_heads(_llama(), 1) == 2
+    assert local_kv_heads(_llama(), 2) == 1
+    assert local_kv_heads(_llama(num_key_value_heads=4), 4) == 1
+    model = AutoModelForCausalLM.from_config(_llama())
+    before = dict(model.named_parameters())
+    shard_model(model, model.config, 0, 1)
+    assert dict(model.named_parameters()) == before
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_shard_needs_initialized_distributed() -> None:
+    assert not dist.is_initialized()
+    model = AutoModelForCausalLM.from_config(_llama())
+    q = model.model.layers[0].self_attn.q_proj.weight
+    with pytest.raises(RuntimeError, match=r"initialized torch\.distributed"):
+        shard_model(model, model.config, 0, 2)
+    assert model.model.layers[0].self_attn.q_proj.weight is q  # untouched
+    with pytest.raises(ValueError, match="rank 2"):
+        shard_model(model, model.config, 2, 2)
