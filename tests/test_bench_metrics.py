@@ -222,3 +222,15 @@ def test_inprocess_bench_json_reports_step_ms() -> None:
     inprocess, static = report["results"]
     check_step_ms(inprocess)
     assert static["step_ms"] is None  # no step engine
+
+
+def test_the_expeditor_target_takes_serve_settings_in_its_brackets() -> None:
+    from expeditor.bench.run import parse_target, target_config
+    from expeditor.bench.workloads import make_workload
+
+    spec = parse_target("expeditor[tensor_parallel_size=2,max_num_seqs=8]")
+    assert spec.overrides == {"max_num_seqs": 8}
+    config = target_config(make_workload("skewed", 4, 0), {}, spec)
+    assert config["serve"] == {"tensor_parallel_size": 2} and config["max_num_seqs"] == 8
+    with pytest.raises(ValueError, match="scheduler config key"):
+        parse_target("static[tensor_parallel_size=2]")  # only serve takes it

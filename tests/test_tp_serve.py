@@ -9,6 +9,10 @@ import asyncio
 import os
 import random
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from hf_reference import hf_greedy
 
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient, Client
+from ipc.errors import ClientTimeoutError, ServerError
 from scheduler_svc.launch import child_pids, cmdline, running_server
 
 MAX_TOKENS = 10
@@ -54,9 +59,10 @@ async def _generate_all(address: str) -> list[list[int]]:
     return [c.token_ids for c in done]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma2"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """llama, and qwen2 (q/k/v biases, a sliding window on its second layer)."""
+    """llama; qwen2 (q/k/v biases, a sliding window on its second layer); gemma2 (a
+    window on every other layer, attention and final-logit soft-capping)."""
     path = make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", arch=request.param)
     return path, hf_greedy(path, PROMPTS, MAX_TOKENS)
 
@@ -111,3 +117,66 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path: Path) -
         after = _worker_pids(proc.pid)
     assert outputs == expected
     assert len(after) == 2 and not set(after) & set(before)  # both ranks are new processes
+
+
+def test_ranks_started_as_separate_nodes_from_one_config(tmp_path: Path) -> None:
+    """What two machines would run, on one: the scheduler, then each rank started on its
+    own (`expeditor worker --rank R --config FILE`), all from the same config file with a
+    tcp:// worker endpoint and a fixed rendezvous; no serve supervising them."""
+    path = make_tiny_model(tmp_path / "llama", arch="llama")
+    expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    ports = [_free_port() for _ in range(3)]
+    config = tmp_path / "expeditor.toml"
+    config.write_text(
+        "[server]\n"
+        f'model = "{path}"\n'
+        f'frontend = "ipc://{tmp_path}/frontend.sock"\n'
+        f'worker_endpoint = "tcp://127.0.0.1:{ports[0]}"\n'
+        "insecure_tcp = true\n"
+        'device = "cpu"\n'
+        "tensor_parallel_size = 2\n"
+        'dist_master_addr = "127.0.0.1"\n'
+        f"dist_master_port = {ports[1]}\n"
+        "[scheduler]\n"
+        "num_gpu_blocks = 128\n"
+    )
+    command = [sys.executable, "-m", "expeditor"]
+    procs = [subprocess.Popen([*command, "scheduler", "--config", str(config)],
+                              stderr=subprocess.DEVNULL)]  # fmt: skip
+    try:
+        for rank in (1, 0):  # any order: the group forms when both have joined
+            procs.append(
+                subprocess.Popen(
+                    [*command, "worker", "--rank", str(rank), "--config", str(config)],
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        address = f"ipc://{tmp_path}/frontend.sock"
+        with Client(address, timeout=5) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.health().status == "ok":
+                        break
+                except (ClientTimeoutError, ServerError):
+                    pass
+                assert time.monotonic() < deadline, "the group never became ready"
+                assert all(p.poll() is None for p in procs)
+                time.sleep(0.2)
+            reply = client.inspect()
+        assert sorted(w.rank for w in reply.workers) == [0, 1]
+        assert asyncio.run(_generate_all(address)) == expected
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -18,6 +18,11 @@ from expeditor.bench.workloads import Workload
 from shared.config import SCHEDULER_FIELDS, SchedulerConfig
 from shared.errors import ConfigError
 
+SERVE_OPTIONS = ("tensor_parallel_size",)
+"""[server] settings the expeditor target takes in its brackets (passed to serve)."""
+SERVE_KEY = "serve"
+"""Where those travel in a target's config (the expeditor runner takes them out)."""
+
 BENCH_DEFAULTS: dict[str, Any] = {"num_gpu_blocks": 2048}
 """Scheduler settings a bench uses unless the workload or the command line says otherwise."""
 
@@ -56,18 +61,24 @@ def parse_target(text: str) -> TargetSpec:
     if name not in TARGETS:
         raise ValueError(f"unknown target {name!r}; targets: {', '.join(TARGETS)}, {OPENAI}:URL")
     overrides: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     if rest:
         if not rest.endswith("]"):
             raise ValueError(f"target {text!r}: expected NAME[key=value,...]")
         for item in filter(None, rest[:-1].split(",")):
             key, sep, value = item.partition("=")
             key = key.strip().replace("-", "_")
+            if sep and name == "expeditor" and key in SERVE_OPTIONS:
+                options.setdefault(SERVE_KEY, {})[key] = _value(value.strip())
+                continue
             if not sep or key not in SCHEDULER_FIELDS:
+                extra = f" (or {', '.join(SERVE_OPTIONS)})" if name == "expeditor" else ""
                 raise ValueError(
                     f"target {text!r}: {item!r} is not key=value with a scheduler config key"
+                    + extra
                 )
             overrides[key] = _value(value.strip())
-    return TargetSpec(name, overrides, text)
+    return TargetSpec(name, overrides, text, options)
 
 
 def target_config(workload: Workload, base: dict[str, Any], spec: TargetSpec) -> dict[str, Any]:
@@ -82,6 +93,8 @@ def target_config(workload: Workload, base: dict[str, Any], spec: TargetSpec) ->
         SchedulerConfig(**config)
     except (ConfigError, TypeError) as exc:
         raise ValueError(f"target {spec.label}: {exc}") from None
+    if SERVE_KEY in spec.options:
+        config[SERVE_KEY] = dict(spec.options[SERVE_KEY])
     return config
 
 

@@ -73,7 +73,9 @@ def run_expeditor(
 ) -> TargetRun:
     from scheduler_svc.launch import running_server
 
-    flags = [*_flags(config), f"--device={device}"]
+    config = dict(config)
+    serve = config.pop("serve", {})  # [server] settings: expeditor[tensor_parallel_size=2]
+    flags = [*_flags(config), *_flags(serve), f"--device={device}"]
     with running_server(model, *flags) as (address, _):
         return asyncio.run(_drive_server(address, workload, on_done))
 
