@@ -244,6 +244,12 @@ class WorkerDaemon:
             model_dir = str(default_model_dir())
         self.group_size = setup.tensor_parallel_size
         group = None
+        if self.group_size > 1 and self.device.type == "cuda" and self.device.index is None:
+            # One GPU per rank: rank r on the r-th visible device (under systemd each
+            # rank sees only its own, CUDA_VISIBLE_DEVICES=%i, so that is device 0).
+            import torch
+
+            self.device = torch.device("cuda", self.rank % max(1, torch.cuda.device_count()))
         if self.group_size > 1:
             group = join_group(
                 self.rank,
