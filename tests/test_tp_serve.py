@@ -180,3 +180,48 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_tp4_where_the_heads_divide(tmp_path: Path) -> None:
+    """Four ranks on a llama whose 4 KV heads divide by 4 (the presets have 2): each
+    rank holds one KV head and two query heads; greedy output still equals
+    transformers'."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tiny = make_tiny_model(tmp_path / "tiny", arch="llama")
+    config = LlamaConfig.from_pretrained(tiny)
+    config.num_attention_heads = 8
+    config.num_key_value_heads = 4
+    config.head_dim = 8
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for parameter in model.parameters():  # unit-scale activations, as the presets have
+            if parameter.dim() == 2:
+                parameter.normal_(0, parameter.shape[1] ** -0.5)
+    path = tmp_path / "kv4"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, path / name)
+    expected = hf_greedy(path, PROMPTS[:3], MAX_TOKENS)
+    flags = ("--tensor-parallel-size", "4", "--device", "cpu", "--block-size", "8",
+             "--max-num-batched-tokens", "32", "--num-gpu-blocks", "64")  # fmt: skip
+    with running_server(path, *flags, timeout_s=240) as (address, _):
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(address, timeout=240) as client:
+                done = await asyncio.gather(
+                    *(
+                        client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS,
+                                        temperature=0.0)
+                        for p in PROMPTS[:3]
+                    )
+                )  # fmt: skip
+            return [c.token_ids for c in done]
+
+        assert asyncio.run(run()) == expected
+        with Client(address) as client:
+            assert sorted(w.rank for w in client.inspect().workers) == [0, 1, 2, 3]
