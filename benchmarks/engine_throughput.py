@@ -27,6 +27,14 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: tiny model)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=2048,
+        help="KV blocks (default 2048, on CUDA too: sizing the tiny model's cache from "
+        "free GPU memory gives tens of millions of blocks and gigabytes of bookkeeping); "
+        "0 = from gpu_memory_utilization (CUDA)",
+    )
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [
@@ -40,7 +48,7 @@ def main() -> None:
     with LLM(
         args.model,
         device=args.device,
-        num_gpu_blocks=None if args.device == "cuda" else 2048,
+        num_gpu_blocks=args.num_gpu_blocks or None,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
     ) as llm:

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from gpu_worker.group import join_group
-from gpu_worker.model_runner import ModelRunner, resolve_device
+from gpu_worker.model_runner import ModelRunner, resolve_device, use_device
 from ipc.curve import client_curve_options, endpoint_needs_curve
 from ipc.schema import (
     AttachSwapPool,
@@ -80,7 +80,7 @@ class WorkerDaemon:
             keys = client_curve_options(curve_server_key, curve_client_key)
         self.rank = rank
         self.endpoint = endpoint
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, rank)
         self.cpu_threads = cpu_threads
         if self.device.type == "cpu":
             # Load on all cores but one; the steps' count is chosen once the model is
@@ -242,14 +242,11 @@ class WorkerDaemon:
             from gpu_worker.tiny_model import default_model_dir
 
             model_dir = str(default_model_dir())
+        # This is the step thread (every step runs here): its current CUDA device must be
+        # the worker's, or Triton launches on device 0.
+        use_device(self.device)
         self.group_size = setup.tensor_parallel_size
         group = None
-        if self.group_size > 1 and self.device.type == "cuda" and self.device.index is None:
-            # One GPU per rank: rank r on the r-th visible device (under systemd each
-            # rank sees only its own, CUDA_VISIBLE_DEVICES=%i, so that is device 0).
-            import torch
-
-            self.device = torch.device("cuda", self.rank % max(1, torch.cuda.device_count()))
         if self.group_size > 1:
             group = join_group(
                 self.rank,

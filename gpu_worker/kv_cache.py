@@ -109,9 +109,18 @@ class KVCache:
                 raise RuntimeError(f"cudaHostRegister of the swap pool failed ({err})")
             self._pinned = True
 
+    def fence(self) -> None:
+        """Wait for this cache's copies in flight (swap-ins read the pool asynchronously):
+        after it the scheduler may reuse the pool blocks they read. Nothing off CUDA,
+        where copies are done when they return."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def detach_swap_pool(self) -> None:
-        """Drop every view of the segment (it can then be closed)."""
+        """Drop every view of the segment (it can then be closed), after the copies that
+        read or write it."""
         if self.cpu_pool is not None and self._pinned:
+            self.fence()
             torch.cuda.cudart().cudaHostUnregister(self.cpu_pool.data_ptr())
         self.cpu_pool = None
         self._pinned = False

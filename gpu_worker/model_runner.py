@@ -92,12 +92,32 @@ def _seed_for(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (1 << 63)
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    """The device a worker of ``rank`` runs on. ``cuda`` (or ``auto`` with CUDA) without
+    an index is the rank's own GPU: rank r on the (r mod count)-th visible device, so
+    ``serve --workers N`` / a group of N ranks spreads over N GPUs, and a rank that sees
+    one GPU only (systemd's CUDA_VISIBLE_DEVICES=%i) takes device 0. An index given is
+    kept, and checked."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return resolved
+    count = torch.cuda.device_count()
+    if resolved.index is None:
+        return torch.device("cuda", rank % max(count, 1))
+    if resolved.index >= count:
+        raise ValueError(f"device {device!r}: only {count} CUDA device(s) are visible")
+    return resolved
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (kernels, Triton and
+    allocations without an explicit device go there); nothing for other devices."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class ModelRunner:
@@ -243,6 +263,12 @@ class ModelRunner:
         self.kv_cache.copy(plan.copies)
         swapped = time.perf_counter()
         if not batch:
+            if plan.swap_in:
+                # Nothing samples, so nothing below waits for the device: the swap-ins
+                # must be done before the scheduler hears of this step and reuses the
+                # pool blocks they read. (A step that samples waits for its tokens,
+                # which come after the copies on the same stream.)
+                self.kv_cache.fence()
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
         prepared = time.perf_counter()

@@ -99,3 +99,28 @@ def test_segment_lifecycle() -> None:
         SwapPoolSegment.attach(name)
     with pytest.raises(ValueError, match="bytes_per_block"):
         SwapPoolSegment.create(4, 0)
+
+
+def test_a_step_that_only_swaps_in_fences_its_copies(tmp_path) -> None:
+    """A step that samples nothing returns without waiting for the device: its swap-ins
+    must be fenced first, or the scheduler reuses pool blocks still being read (CUDA).
+    Counted on CPU, where the fence itself is a no-op."""
+    import torch
+
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.tiny_model import make_tiny_model
+    from ipc.schema import BatchPlan
+    from shared.swap_pool import SwapPoolSegment
+
+    path = make_tiny_model(tmp_path / "m")
+    runner = ModelRunner(path, device=torch.device("cpu"), block_size=16,
+                         max_num_batched_tokens=64, num_gpu_blocks=8)  # fmt: skip
+    fences: list[int] = []
+    runner.kv_cache.fence = lambda: fences.append(1)  # type: ignore[method-assign]
+    with SwapPoolSegment.create(4, runner.layout.bytes_per_block) as pool:
+        runner.kv_cache.attach_swap_pool(pool)
+        runner.execute(BatchPlan(step=1, num_scheduled_tokens={}, swap_in=[(0, 3)]))
+        assert fences == [1]
+        runner.execute(BatchPlan(step=2, num_scheduled_tokens={}, swap_out=[(3, 1)]))
+        assert fences == [1]  # a swap-out is waited for inside swap_out itself
+        runner.kv_cache.detach_swap_pool()
