@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_worker.engine import LLM
 from gpu_worker.tiny_model import make_tiny_model
@@ -26,7 +27,9 @@ def make_llm(checkpoint: Path) -> Iterator:
 
     def make(**config: object) -> LLM:
         device = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
-        llm = LLM(checkpoint, device=device, max_model_len=256, **config)
+        # float32 on every device: on CUDA the engine would default to bf16, where a
+        # seeded draw may differ with the batch's shape, which these tests forbid.
+        llm = LLM(checkpoint, device=device, dtype=torch.float32, max_model_len=256, **config)
         made.append(llm)
         return llm
 
