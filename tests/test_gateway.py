@@ -341,6 +341,18 @@ def test_raw_sse_bytes(server, model_name) -> None:
         },
     }
     assert bodies[-2]["choices"][0]["finish_reason"] == "length"
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    status, _, payload = _post(
+        server[1],
+        "/v1/completions",
+        {"model": model_name, "prompt": [1, 5, 6, 7], "max_tokens": 5, "temperature": 0,
+         "ignore_eos": True, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )  # fmt: skip
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in payload.split(b"\n\n")[:-2]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 2
+    assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
 
 
 # -- disconnects -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from expeditor.gateway.responses import (
     completion_logprobs,
     error_body,
     sse,
+    usage_body,
 )
 from ipc.async_client import AsyncClient, ClientCompletion
 from ipc.errors import OverloadedError, ServerError
@@ -257,8 +258,6 @@ class _Handler:
         yield DONE
 
     def _running_usage(self, completion_tokens: list[int]) -> dict[str, Any]:
-        from expeditor.gateway.responses import usage_body
-
         return usage_body(sum(self.prompt_tokens), sum(completion_tokens), 0)
 
     def _final_usage(self) -> dict[str, Any]:

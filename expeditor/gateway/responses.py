@@ -16,9 +16,11 @@ from ipc.schema import Usage
 
 __all__ = [
     "DONE",
+    "add_usage",
     "chat_logprobs",
     "completion_logprobs",
     "error_body",
+    "json_bytes",
     "sse",
     "usage_body",
 ]
