@@ -273,7 +273,7 @@ def _attend_key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "num_seqs", "bt_s0"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
