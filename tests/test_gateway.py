@@ -662,10 +662,12 @@ def test_shutting_down_answers_503_and_requests_in_flight_finish(guarded) -> Non
     client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
     name = client.models.list().data[0].id
     stream = client.completions.create(
-        model=name, prompt=[1, 2], max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+        model=name, prompt=[1, 2], max_tokens=900, stream=True, extra_body={"ignore_eos": True}
     )
     first = next(iter(stream))
     assert first.choices
+    # 900 decode steps of one sequence: the drain lasts long enough for the polls below
+    # to meet it (a drain over before the first poll leaves it to a scheduler gone).
     proc.send_signal(signal.SIGTERM)  # serve drains the scheduler first
     deadline = time.monotonic() + 20
     while True:

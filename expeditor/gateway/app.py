@@ -43,17 +43,13 @@ from expeditor.gateway.protocol import (
     TokenizeRequest,
     decode_body,
 )
-from expeditor.gateway.responses import error_body, json_bytes
+from expeditor.gateway.responses import error_body, error_of, json_bytes
 from ipc.async_client import AsyncClient
 from ipc.errors import (
     ClientClosedError,
     ClientTimeoutError,
-    OverloadedError,
-    QuarantinedError,
     ServerError,
     ServerUnavailableError,
-    ShuttingDownError,
-    WorkerLostError,
 )
 from ipc.schema import HealthState
 from shared.gateway_config import GatewayConfig
@@ -182,30 +178,11 @@ class Gateway:
 
 
 def _error_response(exc: Exception) -> Response:
-    """The OpenAI error object for anything a route raised."""
-    status, kind, param = 500, "InternalServerError", None
-    message = str(exc)
-    if isinstance(exc, GatewayRequestError):
-        status, kind, param, message = exc.status, exc.kind, exc.param, exc.message
-    elif isinstance(exc, OverloadedError):
-        status, kind = 429, "overloaded"
-        message = exc.message
-    elif isinstance(exc, ShuttingDownError | WorkerLostError):
-        status, kind, message = 503, "ServiceUnavailableError", exc.message
-    elif isinstance(exc, QuarantinedError):
-        status, kind, message = 500, "InternalServerError", exc.message
-    elif isinstance(exc, ServerError):
-        status = 500 if exc.code == "internal" else 400
-        kind = "InternalServerError" if status == 500 else "BadRequestError"
-        message = exc.message
-    elif isinstance(exc, ServerUnavailableError | ClientClosedError | ClientTimeoutError):
-        status, kind = 503, "ServiceUnavailableError"
-        message = f"the scheduler does not answer: {exc}"
-    else:
-        log.exception("a request failed", exc_info=exc)
-        message = "the gateway failed to handle this request"
-    body = json_bytes(error_body(message, kind, status, param))
-    return Response(body, status_code=status, media_type="application/json")
+    """The OpenAI error object for anything a route raised, with its status."""
+    body = error_of(exc)
+    return Response(
+        json_bytes(body), status_code=body["error"]["code"], media_type="application/json"
+    )
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:

@@ -27,12 +27,11 @@ from expeditor.gateway.responses import (
     add_usage,
     chat_logprobs,
     completion_logprobs,
-    error_body,
+    error_of,
     sse,
     usage_body,
 )
 from ipc.async_client import AsyncClient, ClientCompletion
-from ipc.errors import OverloadedError, ServerError
 from ipc.schema import Delta, Timings, Usage
 from shared.outputs import CompletionSample, FinishReason
 from shared.sampling import SamplingParams
@@ -247,7 +246,7 @@ class _Handler:
         except Exception as exc:
             if not started:
                 raise
-            yield sse(_stream_error(exc))
+            yield sse(error_of(exc))
             yield DONE
             return
         if not started:  # every sample ended without text (yield the opening anyway)
@@ -315,14 +314,6 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
 
 def _token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
-
-
-def _stream_error(exc: Exception) -> dict[str, Any]:
-    if isinstance(exc, OverloadedError):
-        return error_body(exc.message, "overloaded", 429)
-    if isinstance(exc, ServerError):
-        return error_body(exc.message, str(exc.code), 503 if exc.code != "bad_request" else 400)
-    return error_body(f"the request failed: {exc}", "ServiceUnavailableError", 503)
 
 
 class CompletionHandler(_Handler):

@@ -7,12 +7,26 @@ readable next to the OpenAI reference).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from expeditor.gateway.protocol import GatewayRequestError
+from ipc.errors import (
+    ClientClosedError,
+    ClientTimeoutError,
+    OverloadedError,
+    QuarantinedError,
+    ServerError,
+    ServerUnavailableError,
+    ShuttingDownError,
+    WorkerLostError,
+)
 from ipc.schema import Usage
+
+log = logging.getLogger("expeditor.gateway")
 
 __all__ = [
     "DONE",
@@ -20,6 +34,7 @@ __all__ = [
     "chat_logprobs",
     "completion_logprobs",
     "error_body",
+    "error_of",
     "json_bytes",
     "sse",
     "usage_body",
@@ -44,6 +59,30 @@ def json_bytes(body: dict[str, Any]) -> bytes:
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_of(exc: Exception) -> dict[str, Any]:
+    """The error object for anything a request raised: the gateway's own refusals, the
+    scheduler's (by its error code), and a scheduler that does not answer; anything else
+    is a gateway bug (logged, 500). The HTTP status is its ``code``. One mapping for the
+    error responses and for the error events that end a stream."""
+    if isinstance(exc, GatewayRequestError):
+        return error_body(exc.message, exc.kind, exc.status, exc.param)
+    if isinstance(exc, OverloadedError):
+        return error_body(exc.message, "overloaded", 429)
+    if isinstance(exc, ShuttingDownError | WorkerLostError):
+        return error_body(exc.message, "ServiceUnavailableError", 503)
+    if isinstance(exc, QuarantinedError):
+        return error_body(exc.message, "InternalServerError", 500)
+    if isinstance(exc, ServerError):
+        if exc.code == "internal":
+            return error_body(exc.message, "InternalServerError", 500)
+        return error_body(exc.message, "BadRequestError", 400)
+    if isinstance(exc, ServerUnavailableError | ClientClosedError | ClientTimeoutError):
+        message = f"the scheduler does not answer: {exc}"
+        return error_body(message, "ServiceUnavailableError", 503)
+    log.error("a request failed", exc_info=exc)
+    return error_body("the gateway failed to handle this request", "InternalServerError", 500)
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
