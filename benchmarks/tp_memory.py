@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_worker.group import join_group
-from gpu_worker.model_runner import ModelRunner, StepInputs
+from gpu_worker.model_runner import ModelRunner, StepInputs, resolve_device, use_device
 from gpu_worker.tiny_model import make_tiny_model
 
 PROMPT = [1, *range(40, 63)]  # BOS + 23 byte tokens
@@ -117,9 +117,8 @@ def rank_main(
     """One rank: build the runner, measure, generate, put a RankReport (or the error)."""
     try:
         torch.set_num_threads(1)
-        device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = resolve_device(device_type, rank)
+        use_device(device)
         group = join_group(rank, size, "127.0.0.1", port, device) if size > 1 else None
         started = time.perf_counter()
         runner = ModelRunner(

@@ -26,14 +26,14 @@ GROUP_TIMEOUT_S = 120.0
 def join_group(
     rank: int, size: int, addr: str, port: int, device: torch.device
 ) -> dist.ProcessGroup:
-    """Join the group of ``size`` ranks as ``rank`` (blocks until all have joined)."""
+    """Join the group of ``size`` ranks as ``rank`` (blocks until all have joined). Call
+    on the thread that runs the steps, with ``device`` made current there
+    (:func:`~gpu_worker.model_runner.use_device`): NCCL binds to it."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
     if not addr or not port:
         raise ValueError("the tensor-parallel group needs dist_master_addr and dist_master_port")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # device: already current
     host = f"[{addr}]" if ":" in addr else addr
     log.info("rank %d of %d: joining the group at %s:%d (%s)", rank, size, addr, port, backend)
     dist.init_process_group(

@@ -69,8 +69,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     priority: int = 0
     return_tokens_as_token_ids: bool = False
     """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
-    zero_tokens: bool = False
-    """Set by :meth:`sampling`: the request asks for no new tokens (max_tokens 0)."""
     # known but not implemented: refused unless neutral
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -114,18 +112,17 @@ class _Sampling(msgspec.Struct, kw_only=True):
         """The scheduler's SamplingParams; its validation errors name the field.
 
         ``max_tokens`` 0 is valid here (some clients ask for no new tokens: scoring with
-        echo, load generators drawing lengths from 0): ``zero_tokens`` is then set and
-        the params are checked as if for one token; the handler answers without
+        echo, load generators drawing lengths from 0, see :attr:`zero_tokens`): the
+        params are then checked as if for one token, and the handler answers without
         running the model."""
         self._refuse_unsupported()
-        self.zero_tokens = max_tokens == 0
-        if self.zero_tokens and self.min_tokens:
+        if max_tokens == 0 and self.min_tokens:
             raise GatewayRequestError(
                 f"min_tokens: must be <= max_tokens (0), got {self.min_tokens}",
                 param="min_tokens",
             )
         fields: dict[str, Any] = {
-            "max_tokens": 1 if self.zero_tokens else max_tokens,
+            "max_tokens": 1 if max_tokens == 0 else max_tokens,
             "min_tokens": self.min_tokens,
             "n": self.n,
             "ignore_eos": self.ignore_eos,
@@ -165,6 +162,11 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+    @property
+    def zero_tokens(self) -> bool:
+        """No new tokens asked for (max_tokens 0)."""
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids (a list of them is a batch)."""
@@ -213,6 +215,18 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    @property
+    def limit(self) -> int | None:
+        """max_completion_tokens, else max_tokens (None: up to max_model_len)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def zero_tokens(self) -> bool:
+        """No new tokens asked for (a limit of 0)."""
+        return self.limit == 0
+
     def check(self) -> SamplingParams:
         if self.tools:
             raise GatewayRequestError("tools: tool calling is not supported", param="tools")
@@ -237,11 +251,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                     "max_tokens: differs from max_completion_tokens; give one",
                     param="max_tokens",
                 )
-        max_tokens = (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
+        max_tokens = self.limit
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
             return self.sampling(max_tokens, logprobs)
