@@ -14,9 +14,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.kernels import copy_blocks, gather_blocks, scatter_blocks
+from gpu_worker.staging import Staging
 from shared.swap_pool import SwapPoolSegment
 
 
@@ -75,8 +77,12 @@ class KVCache:
         num_blocks: int,
         device: torch.device,
         swap_pool: SwapPoolSegment | None = None,
+        staging: Staging | None = None,
     ) -> None:
+        """``staging``: the worker's transfers, which send the block ids of swaps and
+        copies to the device without blocking the host."""
         self.layout = layout
+        self.staging = staging or Staging(device)
         self.num_blocks = num_blocks
         self.device = device
         self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
@@ -143,8 +149,7 @@ class KVCache:
             self._cpu_copy(self.kv, pool, pairs)
             return
         ordered = sorted(pairs, key=lambda p: p[1])
-        ids = torch.tensor([g for g, _ in ordered], dtype=torch.int64, device=self.device)
-        staged = gather_blocks(self.kv, ids)
+        staged = gather_blocks(self.kv, self._ids([g for g, _ in ordered]))
         for src, dst, n in _runs([(i, c) for i, (_, c) in enumerate(ordered)]):
             pool[dst : dst + n].copy_(staged[src : src + n], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
@@ -163,8 +168,7 @@ class KVCache:
         )
         for src, dst, n in _runs([(c, i) for i, (c, _) in enumerate(ordered)]):
             staged[dst : dst + n].copy_(pool[src : src + n], non_blocking=True)
-        ids = torch.tensor([g for _, g in ordered], dtype=torch.int64, device=self.device)
-        scatter_blocks(staged, self.kv, ids)
+        scatter_blocks(staged, self.kv, self._ids([g for _, g in ordered]))
 
     def _cpu_copy(
         self, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]
@@ -200,4 +204,8 @@ class KVCache:
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: (source device block, destination device block) pairs."""
         if pairs:
-            copy_blocks(self.kv, torch.tensor(pairs, dtype=torch.int64, device=self.device))
+            copy_blocks(self.kv, self._ids(pairs))
+
+    def _ids(self, ids: Sequence[int] | Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Block ids as an int64 device tensor, sent without blocking the host."""
+        return self.staging.to_device({"ids": np.asarray(ids, dtype=np.int64)})["ids"]

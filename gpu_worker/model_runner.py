@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,9 @@ from transformers.utils import logging as hf_logging
 from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.kv_cache import KVCache, KVLayout
-from gpu_worker.sampler import Sampler, make_generator
+from gpu_worker.sampler import Sampler, sample_key
+from gpu_worker.staging import Staging
+from gpu_worker.step_timer import StepTimer
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
@@ -84,12 +85,6 @@ class StepInputs:
             "seq_lens": (starts + num_tokens).astype(np.int32),
             "query_start_loc": query_start_loc.astype(np.int32),
         }
-
-
-def _seed_for(seed: int, position: int) -> int:
-    """Seed of the draw at ``position``: stateless, so a seeded sequence's tokens do
-    not depend on batching, preemption or worker restarts."""
-    return (seed * 1_000_003 + position) % (1 << 63)
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -159,6 +154,9 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
+        self.timer = StepTimer(device)
+        self.staging = Staging(device, self.timer)
+        """The step's transfers: index arrays in, sampled tokens out."""
         self.layout = KVLayout(
             num_layers=config.num_hidden_layers,
             num_kv_heads=local_kv_heads(config, world),
@@ -172,8 +170,8 @@ class ModelRunner:
             num_gpu_blocks = self._profile_num_blocks(
                 max_num_batched_tokens, gpu_memory_utilization
             )
-        self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.staging)
+        self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.state = WorkerState()
         # Decode steps of an unchanged batch keep each layer's gathered K/V (CPU path).
@@ -225,10 +223,9 @@ class ModelRunner:
         self, inputs: StepInputs, cache: KVCache, reuse: attention.DecodeReuse | None = None
     ) -> torch.Tensor:
         """Hidden states of every packed token (under inference mode)."""
-        device = self.device
-        host = {k: torch.from_numpy(v) for k, v in inputs.host_arrays(self.block_size).items()}
-        if device.type != "cpu":
-            host = {k: v.to(device) for k, v in host.items()}
+        arrays = inputs.host_arrays(self.block_size)
+        arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
+        host = self.staging.to_device(arrays)
         meta = attention.StepMetadata(
             slot_mapping=host["slot_mapping"],
             block_tables=host["block_tables"],
@@ -238,7 +235,7 @@ class ModelRunner:
             reuse=reuse,
         )
         out = self.model.model(
-            input_ids=torch.tensor([inputs.token_ids], dtype=torch.int64, device=device),
+            input_ids=host["input_ids"][None],
             position_ids=host["positions"][None],
             use_cache=False,
             expeditor_meta=meta,
@@ -253,15 +250,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
-        # Timed parts: swap, forward, sample; the rest of total (plan state, inputs) is
-        # the step's preparation.
-        started = time.perf_counter()
+        # Timed parts: swap, forward, sample (on the device's clock where there is one:
+        # gpu_worker.step_timer); the rest of total (plan state, inputs) is the step's
+        # preparation.
+        timer = self.timer
+        timer.start()
         batch = self.state.apply(plan)
-        applied = time.perf_counter()
+        timer.mark("applied")
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy(plan.copies)
-        swapped = time.perf_counter()
+        timer.mark("swapped")
         if not batch:
             if plan.swap_in:
                 # Nothing samples, so nothing below waits for the device: the swap-ins
@@ -271,26 +270,30 @@ class ModelRunner:
                 self.kv_cache.fence()
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
-        prepared = time.perf_counter()
+        timer.mark("prepared")
         try:
             hidden = self._forward(inputs, self.kv_cache, self._reuse)
         except BaseException:
             if self._reuse is not None:  # a layer may have stopped half way
                 self._reuse.plan = None
             raise
-        forwarded = time.perf_counter()
+        timer.mark("forwarded")
+        reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden)
+        read = self.staging.host_syncs > reads  # the device is done with the step
+        if not read:
+            timer.mark("read")
         self.state.append_sampled(sampled)
-        done = time.perf_counter()
+        timer.mark("done")
         return StepResult(
             step=plan.step,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             timing=StepTiming(
-                swap_s=swapped - applied,
-                forward_s=forwarded - prepared,
-                sample_s=done - forwarded,
-                total_s=done - started,
+                swap_s=timer.between("applied", "swapped", read),
+                forward_s=timer.between("prepared", "forwarded", read),
+                sample_s=timer.between("forwarded", "read", read),
+                total_s=timer.between("start", "done", False),
             ),
         )
 
@@ -332,7 +335,7 @@ class ModelRunner:
         # All greedy, one sample each, nothing masked, no logprobs: the sampler's own
         # fast path (one argmax, one transfer), without building its per-row lists.
         logits = self.logits(self._rows(hidden, rows))
-        tokens: list[int] = logits.float().argmax(dim=-1).tolist()
+        tokens: list[int] = self.staging.to_host(logits.float().argmax(dim=-1))
         return {seq_id: [token] for seq_id, token in zip(owners, tokens, strict=True)}, None
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -340,7 +343,8 @@ class ModelRunner:
         increasing: every sequence samples from its last token)."""
         if len(rows) == hidden.shape[0]:
             return hidden
-        return hidden.index_select(0, torch.tensor(rows, device=self.device))
+        index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
+        return hidden.index_select(0, index)
 
     def _sample_rows(
         self, batch: list[ScheduledSeq], inputs: StepInputs, hidden: torch.Tensor
@@ -348,7 +352,7 @@ class ModelRunner:
         """:meth:`_sample` through the sampler: any parameters, seeds, masks, logprobs."""
         rows: list[int] = []
         params: list[SamplingParams] = []
-        generators: list[torch.Generator | None] = []
+        keys: list[int | None] = []
         masked: list[list[int]] = []
         owners: list[str] = []
         for index, item in enumerate(batch):
@@ -363,21 +367,16 @@ class ModelRunner:
             for sample_index in item.sample_indices:
                 rows.append(inputs.query_start_loc[index + 1] - 1)
                 params.append(p)
-                generators.append(
-                    None
-                    if p.seed is None
-                    else make_generator(
-                        _seed_for(p.seed, len(seq.token_ids)), sample_index, self.device
-                    )
-                )
+                keys.append(sample_key(p.seed, sample_index, len(seq.token_ids)))
                 masked.append(banned)
                 owners.append(seq.seq_id)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if not rows:
             return sampled, logprobs
-        logits = self.logits(hidden[torch.tensor(rows, device=self.device)])
-        out = self.sampler.sample(logits, params, generators, masked)
+        index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
+        logits = self.logits(hidden.index_select(0, index))  # rows repeat for n > 1
+        out = self.sampler.sample(logits, params, keys, masked)
         for row, seq_id in enumerate(owners):
             sampled.setdefault(seq_id, []).append(out.token_ids[row])
             entry = out.logprobs[row] if out.logprobs is not None else None

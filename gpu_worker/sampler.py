@@ -19,12 +19,13 @@ generator). For every row ``r`` it applies, in this order:
    most likely token always stays).
 7. **Sampling** from ``softmax(x)`` over the kept tokens by an exponential race:
    ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with
-   probability ``p_i / sum(p)``. Rows without a generator draw ``q`` from torch's
-   default RNG for the logits' device, all in one batch; a row with a generator draws
-   its ``q`` from that generator alone, so its token depends only on its own logits,
-   parameters and generator state, never on the other rows of the batch. The
-   generator, not ``SamplingParams.seed``, decides: build it with
-   :func:`make_generator` on the logits' device.
+   probability ``p_i / sum(p)``. Rows without a key draw ``q`` from torch's default RNG
+   for the logits' device, all in one batch. A row with a key (:func:`sample_key`: a
+   64-bit hash of the request's seed, the sample's index and the token's position)
+   takes ``q = -log(u)`` with ``u`` a counter-based hash of ``(key, token id)``
+   computed on the device for all keyed rows at once: its token depends only on its
+   own logits, parameters and key, never on the other rows of the batch, and no
+   generator object is made per row.
 
 **Logprobs** (rows whose ``SamplingParams.logprobs`` is not ``None``) are values of
 ``log_softmax`` over the vocabulary of the float32 logits *after step 1 (masking) and
@@ -36,9 +37,11 @@ token and the ``logprobs`` most likely tokens to their logprob (so it has
 likely); masked tokens appear only with logprob ``-inf``, and only when fewer than
 ``logprobs`` tokens are unmasked. Rows that did not ask get ``None``.
 
-The whole batch costs one device-to-host transfer of the token ids (plus one for the
-logprobs when any row asks); per-row work is limited to one ``exponential_`` call per
-seeded row.
+The whole batch costs one device-to-host transfer (the token ids, with the logprobs
+when any row asks, in the same tensor), made through the worker's
+:class:`~gpu_worker.staging.Staging`, which also sends the rows' parameters to the
+device in one non-blocking copy. Top-k without top-p needs no sort: each row keeps the
+values above its k-th largest and, among those equal to it, the lowest ids.
 """
 
 from __future__ import annotations
@@ -47,35 +50,55 @@ import hashlib
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gpu_worker.staging import Staging
 from shared.sampling import SamplingParams
 
-__all__ = ["SampleOutput", "Sampler", "make_generator"]
+__all__ = ["SampleOutput", "Sampler", "sample_key"]
 
 _TINY = torch.finfo(torch.float32).tiny
+_M32 = 0xFFFFFFFF
 
 
-def make_generator(
-    seed: int | None, sample_index: int, device: torch.device
-) -> torch.Generator | None:
-    """The RNG for sample ``sample_index`` (0-based, ``< n``) of a request with ``seed``.
+def sample_key(seed: int | None, sample_index: int, position: int = 0) -> int | None:
+    """The key of the draw at ``position`` (the sequence's length before the token) of
+    sample ``sample_index`` (0-based, ``< n``) of a request with ``seed``; ``None`` for
+    an unseeded request (it samples from torch's default RNG).
 
-    ``None`` for an unseeded request (it then samples from torch's default RNG). A
-    seeded request gets a generator on ``device`` seeded with a 64-bit hash of
-    ``(seed, sample_index)``: the ``n`` samples of one request use different streams,
-    and rebuilding the generator replays the same stream.
+    A 63-bit hash of all three: the ``n`` samples of a request and the positions of a
+    sample draw from different streams, and the same triple replays the same draw, so
+    a seeded sequence's tokens depend neither on batching, preemption nor restarts.
     """
     if seed is None:
         return None
     digest = hashlib.blake2b(
-        f"expeditor-sampler:{seed}:{sample_index}".encode(), digest_size=8
+        f"expeditor-sampler:{seed}:{sample_index}:{position}".encode(), digest_size=8
     ).digest()
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest, "little"))
-    return generator
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A bijective 32-bit integer hash (int64 tensors holding values < 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def keyed_exponentials(keys: Tensor, vocab: int) -> Tensor:
+    """``[len(keys), vocab]`` float32 Exp(1) draws, a pure function of (key, token id):
+    ``-log(u)`` with ``u`` in (0, 1) from 24 bits of a two-round keyed hash."""
+    lo = (keys & _M32)[:, None]
+    hi = ((keys >> 32) & _M32)[:, None]
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
+    bits = _mix32((_mix32(ids ^ lo) + hi) & _M32)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
 
 
 class SampleOutput(msgspec.Struct):
@@ -90,120 +113,151 @@ class SampleOutput(msgspec.Struct):
 
 class Sampler:
     """Picks one token per row of a logits batch; see the module docstring for the exact
-    semantics. Stateless: one instance can serve every step."""
+    semantics. Stateless apart from its transfers: one instance can serve every step.
+    ``staging``: the worker's transfers (one is made per call otherwise)."""
+
+    def __init__(self, staging: Staging | None = None) -> None:
+        self._staging = staging
 
     def sample(
         self,
         logits: Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        keys: Sequence[int | None],
         masked_token_ids: Sequence[Sequence[int]],
     ) -> SampleOutput:
         """Sample one token for each row of ``logits`` (``[R, V]``, any float dtype).
 
-        ``params[r]``, ``generators[r]`` (``None`` = default RNG; otherwise on the
-        logits' device) and ``masked_token_ids[r]`` (ids forbidden in row ``r``)
-        describe row ``r``. The caller's tensor is never modified.
+        ``params[r]``, ``keys[r]`` (:func:`sample_key`; ``None`` = default RNG) and
+        ``masked_token_ids[r]`` (ids forbidden in row ``r``) describe row ``r``. The
+        caller's tensor is never modified.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
-        num_rows = logits.shape[0]
-        if not len(params) == len(generators) == len(masked_token_ids) == num_rows:
+        num_rows, vocab = logits.shape
+        if not len(params) == len(keys) == len(masked_token_ids) == num_rows:
             raise ValueError(
-                f"{num_rows} logits rows but {len(params)} params, {len(generators)} "
-                f"generators and {len(masked_token_ids)} masked-token lists"
+                f"{num_rows} logits rows but {len(params)} params, {len(keys)} "
+                f"keys and {len(masked_token_ids)} masked-token lists"
             )
         if num_rows == 0:
             return SampleOutput(token_ids=[], logprobs=[])
-        device = logits.device
-
-        if not any(masked_token_ids) and all(
-            (p.temperature == 0 or p.top_k == 1) and p.logprobs is None for p in params
-        ):
-            # All greedy, nothing masked, no logprobs: one argmax, one transfer.
-            token_ids: list[int] = logits.float().argmax(dim=-1).tolist()
-            return SampleOutput(token_ids=token_ids, logprobs=[None] * num_rows)
-
-        logits = _masked_float32(logits, masked_token_ids)
-
+        staging = self._staging_for(logits.device)
         greedy = [p.temperature == 0 or p.top_k == 1 for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        elif not any(greedy):
-            tokens = self._sample_random(logits, params, generators)
-        else:
-            greedy_index = _index([r for r in range(num_rows) if greedy[r]], device)
-            random_rows = [r for r in range(num_rows) if not greedy[r]]
-            random_index = _index(random_rows, device)
-            tokens = torch.empty(num_rows, dtype=torch.long, device=device)
-            tokens[greedy_index] = logits[greedy_index].argmax(dim=-1)
-            tokens[random_index] = self._sample_random(
-                logits[random_index],
-                [params[r] for r in random_rows],
-                [generators[r] for r in random_rows],
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(greedy) and not want_logprobs and not any(masked_token_ids):
+            # All greedy, nothing masked, no logprobs: one argmax, one transfer.
+            return SampleOutput(
+                token_ids=staging.to_host(logits.float().argmax(dim=-1)),
+                logprobs=[None] * num_rows,
             )
 
-        token_ids = tokens.tolist()
-        return SampleOutput(
-            token_ids=token_ids, logprobs=_logprobs(logits, tokens, token_ids, params)
-        )
+        host = _host_arrays(params, keys, masked_token_ids, greedy, vocab)
+        dev = staging.to_device(host)
+        logits = logits.float()
+        if "mask_rows" in dev:
+            minus_inf = torch.full((), -torch.inf, device=logits.device)
+            logits = logits.index_put((dev["mask_rows"], dev["mask_cols"]), minus_inf)
+        random_rows = host["random_rows"]
+        if random_rows.size == 0:
+            tokens = logits.argmax(dim=-1)
+        elif random_rows.size == num_rows:
+            tokens = self._sample_random(logits, host, dev)
+        else:
+            tokens = logits.argmax(dim=-1)
+            chosen = self._sample_random(logits.index_select(0, dev["random_rows"]), host, dev)
+            tokens = tokens.index_copy(0, dev["random_rows"], chosen)
+        if not want_logprobs:
+            return SampleOutput(token_ids=staging.to_host(tokens), logprobs=[None] * num_rows)
+        return _with_logprobs(logits, tokens, params, staging)
+
+    def _staging_for(self, device: torch.device) -> Staging:
+        if self._staging is not None and self._staging.device == device:
+            return self._staging
+        return Staging(device)
 
     @staticmethod
     def _sample_random(
-        logits: Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        logits: Tensor, host: dict[str, np.ndarray], dev: dict[str, Tensor]
     ) -> Tensor:
-        """Steps 4-7 of the module docstring for float32 ``logits`` of non-greedy rows."""
+        """Steps 4-7 of the module docstring for float32 ``logits`` of non-greedy rows
+        (the parameters in ``dev`` are those rows')."""
         num_rows, vocab = logits.shape
-        device = logits.device
-        temperature = torch.tensor(
-            [p.temperature for p in params], dtype=torch.float32, device=device
-        )
-        x = (logits - logits.amax(dim=-1, keepdim=True)) / temperature.clamp_min(_TINY)[:, None]
-
-        use_top_k = any(0 < p.top_k < vocab for p in params)
-        use_top_p = any(p.top_p < 1 for p in params)
-        if use_top_k or use_top_p:
+        x = (logits - logits.amax(dim=-1, keepdim=True)) / dev["temperature"][:, None]
+        top_k, top_p = host["top_k"], host["top_p"]
+        use_top_k = bool(((top_k > 0) & (top_k < vocab)).any())
+        use_top_p = bool((top_p < 1).any())
+        if use_top_p:
             # Rows without top-k/top-p go through the sort and the scatter back
             # unchanged (a permutation and its inverse), so a row's probabilities do
             # not depend on whether another row of the batch needed the sort.
             sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
             if use_top_k:
-                top_k = torch.tensor(
-                    [p.top_k if p.top_k > 0 else vocab for p in params], device=device
-                )
-                rank = torch.arange(vocab, device=device)
-                sorted_x = sorted_x.masked_fill(rank[None, :] >= top_k[:, None], -torch.inf)
-            if use_top_p:
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-                sorted_probs = sorted_x.softmax(dim=-1)
-                mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))
-                cut = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
-                sorted_x = sorted_x.masked_fill(cut, -torch.inf)
+                rank = torch.arange(vocab, device=x.device)
+                sorted_x = sorted_x.masked_fill(rank[None, :] >= dev["top_k"][:, None], -torch.inf)
+            sorted_probs = sorted_x.softmax(dim=-1)
+            mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))
+            cut = (mass_before >= dev["top_p"][:, None]) & (dev["top_p"] < 1)[:, None]
+            sorted_x = sorted_x.masked_fill(cut, -torch.inf)
             x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+        elif use_top_k:
+            x = _top_k_without_sort(x, dev["top_k"], int(top_k.max()))
         probs = x.softmax(dim=-1)
 
-        # Exponential race: argmax(p / q), q ~ Exp(1). Unseeded rows share one draw
-        # from the default RNG; each seeded row overwrites its q from its own generator.
-        q = torch.empty_like(probs)
-        seeded = [(r, g) for r, g in enumerate(generators) if g is not None]
-        if len(seeded) < num_rows:
-            q.exponential_()
-        for r, generator in seeded:
-            q[r].exponential_(generator=generator)
+        # Exponential race: argmax(p / q), q ~ Exp(1). Unkeyed rows share one draw
+        # from the default RNG; keyed rows take theirs from their keys.
+        keyed = host["keyed"]
+        if keyed.size == num_rows:
+            q = keyed_exponentials(dev["keys"], vocab)
+        else:
+            q = torch.empty_like(probs).exponential_()
+            if keyed.size:
+                q.index_copy_(0, dev["keyed"], keyed_exponentials(dev["keys"], vocab))
         # A q of exactly 0 would turn a zero probability into 0/0 = NaN, which argmax
         # would pick; clamping keeps every excluded token at exactly 0.
         return (probs / q.clamp_min_(_TINY)).argmax(dim=-1)
 
 
-def _index(rows: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+def _top_k_without_sort(x: Tensor, top_k: Tensor, widest: int) -> Tensor:
+    """``x`` with all but each row's ``top_k`` largest at -inf (0 or >= vocab: all
+    kept); ties at the k-th value keep the lowest ids, as a stable descending sort
+    would. One ``topk`` of the widest k instead of a sort of the vocabulary."""
+    vocab = x.shape[1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    widest = min(max(widest, 1), vocab)
+    values = x.topk(widest, dim=-1).values  # descending
+    kth = values.gather(-1, (k.clamp_max(widest) - 1)[:, None])
+    above = x > kth
+    ties = x == kth
+    room = k[:, None] - above.sum(dim=-1, keepdim=True)
+    keep = above | (ties & (ties.cumsum(dim=-1) <= room))
+    keep |= (k == vocab)[:, None]
+    return x.masked_fill(~keep, -torch.inf)
 
 
-def _masked_float32(logits: Tensor, masked_token_ids: Sequence[Sequence[int]]) -> Tensor:
-    """Float32 logits with every masked token at -inf (a copy when anything is masked)."""
-    vocab = logits.shape[1]
+def _host_arrays(
+    params: Sequence[SamplingParams],
+    keys: Sequence[int | None],
+    masked_token_ids: Sequence[Sequence[int]],
+    greedy: list[bool],
+    vocab: int,
+) -> dict[str, np.ndarray]:
+    """The rows' parameters as arrays (those of the non-greedy rows, in their order),
+    sent to the device together."""
+    random_rows = [r for r, g in enumerate(greedy) if not g]
+    chosen = [params[r] for r in random_rows]
+    keyed = [i for i, r in enumerate(random_rows) if keys[r] is not None]
+    arrays = {
+        "random_rows": np.array(random_rows, dtype=np.int64),
+        "temperature": np.array(
+            [max(p.temperature, float(_TINY)) for p in chosen], dtype=np.float32
+        ),
+        "top_k": np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]),
+        "top_p": np.array([p.top_p for p in chosen], dtype=np.float32),
+        "keyed": np.array(keyed, dtype=np.int64),
+        "keys": np.array([keys[random_rows[i]] for i in keyed], dtype=np.int64),
+    }
+    arrays["top_k"] = arrays["top_k"].astype(np.int64)
     rows: list[int] = []
     cols: list[int] = []
     for row, ids in enumerate(masked_token_ids):
@@ -211,43 +265,36 @@ def _masked_float32(logits: Tensor, masked_token_ids: Sequence[Sequence[int]]) -
             if 0 <= token < vocab:
                 rows.append(row)
                 cols.append(token)
-    logits = logits.float()
-    if not rows:
-        return logits
-    device = logits.device
-    return logits.index_put(
-        (_index(rows, device), _index(cols, device)),
-        torch.tensor(-torch.inf, device=device),
-    )
+    if rows:
+        arrays["mask_rows"] = np.array(rows, dtype=np.int64)
+        arrays["mask_cols"] = np.array(cols, dtype=np.int64)
+    return arrays
 
 
-def _logprobs(
-    logits: Tensor, tokens: Tensor, token_ids: list[int], params: Sequence[SamplingParams]
-) -> list[dict[int, float] | None]:
-    """Per row: sampled token and top-``logprobs`` tokens -> log_softmax(masked logits)."""
-    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
-    out: list[dict[int, float] | None] = [None] * len(params)
-    if not rows:
-        return out
-    device = logits.device
-    if len(rows) == len(params):
-        log_probs = logits.log_softmax(dim=-1)
-        chosen = tokens
-    else:
-        index = _index(rows, device)
-        log_probs = logits[index].log_softmax(dim=-1)
-        chosen = tokens[index]
-    chosen_lp: list[float] = log_probs.gather(-1, chosen[:, None])[:, 0].tolist()
-    width = min(max(params[r].logprobs or 0 for r in rows), log_probs.shape[1])
-    top_lp: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+def _with_logprobs(
+    logits: Tensor, tokens: Tensor, params: Sequence[SamplingParams], staging: Staging
+) -> SampleOutput:
+    """The tokens and, per row that asked, its sampled token and top-``logprobs`` tokens
+    -> log_softmax(masked logits); all in one transfer (float64 holds the ids exactly)."""
+    num_rows, vocab = logits.shape
+    log_probs = logits.log_softmax(dim=-1)
+    chosen_lp = log_probs.gather(-1, tokens[:, None])[:, 0]
+    width = min(max(p.logprobs or 0 for p in params), vocab)
+    parts = [tokens.double(), chosen_lp.double()]
     if width > 0:
         values, ids = log_probs.topk(width, dim=-1)
-        top_lp, top_ids = values.tolist(), ids.tolist()
-    for i, r in enumerate(rows):
-        entry = {token_ids[r]: chosen_lp[i]}
-        k = params[r].logprobs or 0
-        for token, value in zip(top_ids[i][:k], top_lp[i][:k], strict=True):
-            entry.setdefault(token, value)
+        parts += [values.double().flatten(), ids.double().flatten()]
+    flat = staging.to_host(torch.cat(parts))
+    token_ids = [int(t) for t in flat[:num_rows]]
+    chosen = flat[num_rows : 2 * num_rows]
+    top_lp = flat[2 * num_rows : 2 * num_rows + num_rows * width]
+    top_ids = flat[2 * num_rows + num_rows * width :]
+    out: list[dict[int, float] | None] = [None] * num_rows
+    for r, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        entry = {token_ids[r]: chosen[r]}
+        for i in range(r * width, r * width + min(p.logprobs, width)):
+            entry.setdefault(int(top_ids[i]), top_lp[i])
         out[r] = entry
-    return out
+    return SampleOutput(token_ids=token_ids, logprobs=out)

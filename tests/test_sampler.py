@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gpu_worker.sampler import SampleOutput, Sampler, make_generator
+from gpu_worker.sampler import SampleOutput, Sampler, keyed_exponentials, sample_key
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -25,14 +25,14 @@ def _fixed_default_rng() -> None:
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None] | None = None,
+    keys: Sequence[int | None] | None = None,
     masked: Sequence[Sequence[int]] | None = None,
 ) -> SampleOutput:
     rows = logits.shape[0]
     return SAMPLER.sample(
         logits,
         params,
-        generators if generators is not None else [None] * rows,
+        keys if keys is not None else [None] * rows,
         masked if masked is not None else [()] * rows,
     )
 
@@ -98,8 +98,8 @@ def test_masked_tokens_are_never_chosen(temperature: float, seeded: bool) -> Non
     argmax = logits.argmax(dim=-1).tolist()
     # Always mask the argmax and one more token (sometimes an out-of-vocab id).
     masked = [(argmax[r], (r * 7) % vocab, vocab + 5) for r in range(rows)]
-    generators = [make_generator(99 if seeded else None, r, CPU) for r in range(rows)]
-    out = sample(logits, [SamplingParams(temperature=temperature)] * rows, generators, masked)
+    keys = [sample_key(99 if seeded else None, r) for r in range(rows)]
+    out = sample(logits, [SamplingParams(temperature=temperature)] * rows, keys, masked)
     for r, token in enumerate(out.token_ids):
         assert token not in masked[r]
     if temperature == 0:
@@ -213,8 +213,8 @@ def test_temperature_scales_the_logits() -> None:
 def test_seeded_rows_frequencies_match_softmax() -> None:
     draws = 5000
     row = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5])
-    generators = [make_generator(7, i, CPU) for i in range(draws)]
-    out = sample(repeat(row, draws), [SamplingParams(seed=7)] * draws, generators)
+    keys = [sample_key(7, i) for i in range(draws)]
+    out = sample(repeat(row, draws), [SamplingParams(seed=7)] * draws, keys)
     _assert_matches_softmax(out.token_ids, row)
 
 
@@ -230,12 +230,11 @@ def _seeded_run(
 ) -> list[int]:
     """50 draws for one seeded row, alone or at a random position among random rows."""
     assert target.seed is not None
-    generator = make_generator(target.seed, sample_index, CPU)
     others_rng = random.Random(42)
-    other_gens = [make_generator(s, 0, CPU) for s in range(5)]
     tokens = []
-    for step_logits in steps:
-        rows = [(step_logits, target, generator)]
+    for step, step_logits in enumerate(steps):
+        key = sample_key(target.seed, sample_index, step)
+        rows = [(step_logits, target, key)]
         if companions:
             for _ in range(others_rng.randint(1, 12)):
                 other = SamplingParams(
@@ -244,11 +243,11 @@ def _seeded_run(
                     top_p=others_rng.choice([1.0, 0.9, 0.3]),
                     logprobs=others_rng.choice([None, 0, 5]),
                 )
-                gen = others_rng.choice([None, None, *other_gens])
+                gen = others_rng.choice([None, None, *(sample_key(s, 0, step) for s in range(5))])
                 noise = torch.randn(step_logits.shape[0]) * others_rng.choice([0.1, 3.0])
                 rows.append((noise, other, gen))
             others_rng.shuffle(rows)
-        position = next(i for i, row in enumerate(rows) if row[2] is generator)
+        position = next(i for i, row in enumerate(rows) if row[1] is target)
         out = SAMPLER.sample(
             torch.stack([row[0] for row in rows]).to(dtype),
             [row[1] for row in rows],
@@ -296,21 +295,30 @@ def test_sample_index_and_seed_select_distinct_streams() -> None:
     assert run(5, 0) != run(6, 0)
 
 
-def test_make_generator() -> None:
-    assert make_generator(None, 0, CPU) is None
-    g = make_generator(0, 0, CPU)
-    assert isinstance(g, torch.Generator)
-    assert g.device == CPU
-    seeds = {make_generator(s, i, CPU).initial_seed() for s in range(4) for i in range(4)}  # type: ignore[union-attr]
-    assert len(seeds) == 16
+def test_sample_key() -> None:
+    assert sample_key(None, 0) is None
+    keys = {sample_key(s, i, pos) for s in range(4) for i in range(4) for pos in range(4)}
+    assert len(keys) == 64  # seed, sample index and position each select a stream
+    assert all(key is not None and 0 <= key < 2**63 for key in keys)
+    assert sample_key(3, 1, 2) == sample_key(3, 1, 2)
+
+
+def test_keyed_draws_are_exponential() -> None:
+    q = keyed_exponentials(torch.tensor([sample_key(1, 0), sample_key(2, 0)]), 50000)
+    assert q.shape == (2, 50000)
+    assert bool((q > 0).all()) and bool(torch.isfinite(q).all())
+    for row in q:  # Exp(1): mean 1, P(q > 1) = 1/e, rows independent of each other
+        assert abs(float(row.mean()) - 1.0) < 0.03
+        assert abs(float((row > 1).float().mean()) - math.exp(-1)) < 0.01
+    assert abs(float(torch.corrcoef(q)[0, 1])) < 0.02
 
 
 def test_n_seeded_samples_of_one_request_differ() -> None:
     n, vocab = 4, 1000
     logits = repeat(torch.zeros(vocab), n)
     params = [SamplingParams(seed=11, n=n)] * n
-    first = sample(logits, params, [make_generator(11, i, CPU) for i in range(n)])
-    again = sample(logits, params, [make_generator(11, i, CPU) for i in range(n)])
+    first = sample(logits, params, [sample_key(11, i) for i in range(n)])
+    again = sample(logits, params, [sample_key(11, i) for i in range(n)])
     assert first.token_ids == again.token_ids
     assert len(set(first.token_ids)) == n
 
@@ -329,8 +337,8 @@ def test_logprobs_are_of_the_raw_logits() -> None:
         SamplingParams(temperature=2.0, logprobs=20),
         SamplingParams(temperature=1.0, seed=3, logprobs=1),
     ]
-    generators = [None, None, None, None, None, make_generator(3, 0, CPU)]
-    out = sample(logits, params, generators)
+    keys = [None, None, None, None, None, sample_key(3, 0)]
+    out = sample(logits, params, keys)
     assert out.logprobs is not None
     expected = logits.log_softmax(dim=-1)
     for r, p in enumerate(params):
@@ -382,8 +390,8 @@ def test_bfloat16_logits() -> None:
         SamplingParams(temperature=0, logprobs=1),
         SamplingParams(temperature=1.0, seed=1),
     ] * (rows // 3)
-    generators = [make_generator(1, r, CPU) if r % 3 == 2 else None for r in range(rows)]
-    out = sample(logits, params, generators)
+    keys = [sample_key(1, r) if r % 3 == 2 else None for r in range(rows)]
+    out = sample(logits, params, keys)
     assert all(0 <= t < vocab for t in out.token_ids)
     assert out.token_ids[1::3] == logits.float().argmax(dim=-1).tolist()[1::3]
     expected = logits.float().log_softmax(dim=-1)
@@ -417,9 +425,9 @@ def test_cuda_matches_contract() -> None:
     target = SamplingParams(seed=9, temperature=0.8, top_k=20, top_p=0.9)
 
     def run(batch: bool) -> list[int]:
-        gen = make_generator(9, 0, cuda)
         tokens = []
-        for step in steps:
+        for position, step in enumerate(steps):
+            gen = sample_key(9, 0, position)
             if batch:
                 noise = torch.randn(7, 64, device=cuda)
                 logits = torch.cat([noise[:3], step[None], noise[3:]])
@@ -432,6 +440,11 @@ def test_cuda_matches_contract() -> None:
         return tokens
 
     assert run(False) == run(True)
+    # Keyed draws are the same numbers on either device.
+    keys = torch.tensor([sample_key(9, 0, p) for p in range(4)])
+    assert torch.equal(
+        keyed_exponentials(keys.to(cuda), 1000).cpu(), keyed_exponentials(keys, 1000)
+    )
     logits = random_logits(64, 100, seed=15).to(cuda, torch.bfloat16)
     out = sample(logits, [SamplingParams(temperature=0)] * 64)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
