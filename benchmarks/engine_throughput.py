@@ -4,7 +4,7 @@
 greedy; max_num_seqs 64, max_num_batched_tokens 2048. Reports where the wall time
 went: scheduler (schedule + update), worker swap/forward/sample.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--device cpu|cuda] [--json]
+    .venv/bin/python benchmarks/engine_throughput.py [--device cpu|cuda] [--no-cuda-graphs] [--json]
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def main() -> None:
         "free GPU memory gives tens of millions of blocks and gigabytes of bookkeeping); "
         "0 = from gpu_memory_utilization (CUDA)",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run every step eagerly (CUDA; by default decode steps replay CUDA graphs)",
+    )
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [
@@ -51,6 +56,7 @@ def main() -> None:
         num_gpu_blocks=args.num_gpu_blocks or None,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
+        cuda_graphs=not args.no_cuda_graphs,
     ) as llm:
         llm.generate(prompts[:2], params[:2])  # warm-up
         worker_s = {"swap": 0.0, "forward": 0.0, "sample": 0.0}
@@ -73,6 +79,7 @@ def main() -> None:
     worker_total = sum(worker_s.values())
     result = {
         "device": args.device,
+        "cuda_graphs": llm.runner.graphs is not None,
         "requests": len(prompts),
         "output_tokens": generated,
         "steps": steps,
@@ -86,7 +93,8 @@ def main() -> None:
         return
     print(
         f"{generated} output tokens in {wall:.2f} s over {steps} steps: "
-        f"{generated / wall:.0f} tokens/s on {args.device}\n"
+        f"{generated / wall:.0f} tokens/s on {args.device}"
+        f"{' (CUDA graphs)' if result['cuda_graphs'] else ''}\n"
         f"worker: forward {worker_s['forward']:.2f} s, sample {worker_s['sample']:.2f} s, "
         f"swap {worker_s['swap']:.3f} s; scheduler + engine glue "
         f"{wall - worker_total:.2f} s"

@@ -262,6 +262,9 @@ class WorkerDaemon:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             num_gpu_blocks=setup.num_gpu_blocks or (None if self.device.type == "cuda" else 1024),
             gpu_memory_utilization=setup.gpu_memory_utilization,
+            max_num_seqs=setup.max_num_seqs,
+            max_model_len=setup.max_model_len,
+            cuda_graphs=setup.cuda_graphs,
             group=group,
         )
         if setup.swap_pool:

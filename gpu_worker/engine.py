@@ -54,6 +54,7 @@ class LLM:
         device: str = "auto",
         dtype: torch.dtype | None = None,
         gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
         **scheduler_config: Any,
     ) -> None:
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -72,6 +73,9 @@ class LLM:
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_gpu_blocks=config.num_gpu_blocks,
             gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            cuda_graphs=cuda_graphs,
             dtype=dtype,
         )
         self.swap_pool: SwapPoolSegment | None = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.kernels import copy_blocks, gather_blocks, scatter_blocks
+from gpu_worker.kernels import copy_blocks, scatter_blocks
 from gpu_worker.staging import Staging
 from shared.swap_pool import SwapPoolSegment
 
@@ -40,6 +40,17 @@ class KVLayout:
         for dim in self.block_shape:
             numel *= dim
         return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+SWAP_STAGING_BYTES = 128 * 2**20
+"""Device memory a CUDA cache holds to stage swaps through (gathered blocks on their way
+to the pool, pool blocks on their way in): allocated with the pool, counted in the
+memory budget, and swaps larger than it go through in chunks."""
+
+
+def swap_staging_blocks(layout: KVLayout) -> int:
+    """Blocks the swap staging buffer holds (at least one)."""
+    return max(1, SWAP_STAGING_BYTES // layout.bytes_per_block)
 
 
 SMALL_BLOCK_BYTES = 256 * 1024
@@ -90,6 +101,7 @@ class KVCache:
             (self.kv[:, layer, 0], self.kv[:, layer, 1]) for layer in range(layout.num_layers)
         ]
         self.cpu_pool: torch.Tensor | None = None
+        self._swap_staging: torch.Tensor | None = None
         self._pinned = False
         self._staging = torch.empty(0, dtype=layout.dtype)
         if swap_pool is not None:
@@ -114,6 +126,15 @@ class KVCache:
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the swap pool failed ({err})")
             self._pinned = True
+        if self.device.type != "cpu" and self._swap_staging is None:
+            self._swap_staging = self._new_swap_staging()
+
+    def _new_swap_staging(self) -> torch.Tensor:
+        return torch.empty(
+            (swap_staging_blocks(self.layout), *self.layout.block_shape),
+            dtype=self.layout.dtype,
+            device=self.device,
+        )
 
     def fence(self) -> None:
         """Wait for this cache's copies in flight (swap-ins read the pool asynchronously):
@@ -148,11 +169,7 @@ class KVCache:
         if self.device.type == "cpu":
             self._cpu_copy(self.kv, pool, pairs)
             return
-        ordered = sorted(pairs, key=lambda p: p[1])
-        staged = gather_blocks(self.kv, self._ids([g for g, _ in ordered]))
-        for src, dst, n in _runs([(i, c) for i, (_, c) in enumerate(ordered)]):
-            pool[dst : dst + n].copy_(staged[src : src + n], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        self._device_swap_out(pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy pool blocks to device blocks: (pool block, device block) pairs."""
@@ -162,13 +179,38 @@ class KVCache:
         if self.device.type == "cpu":
             self._cpu_copy(pool, self.kv, pairs)
             return
-        ordered = sorted(pairs)
-        staged = torch.empty(
-            (len(ordered), *self.layout.block_shape), dtype=self.layout.dtype, device=self.device
-        )
-        for src, dst, n in _runs([(c, i) for i, (c, _) in enumerate(ordered)]):
-            staged[dst : dst + n].copy_(pool[src : src + n], non_blocking=True)
-        scatter_blocks(staged, self.kv, self._ids([g for _, g in ordered]))
+        self._device_swap_in(pairs)
+
+    def _chunks(self, ordered: list[tuple[int, int]]) -> tuple[torch.Tensor, list[list]]:
+        if self._swap_staging is None:
+            self._swap_staging = self._new_swap_staging()
+        size = self._swap_staging.shape[0]
+        return self._swap_staging, [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+    def _device_swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device blocks gathered into the staging buffer, then copied to the pool in
+        runs of consecutive pool blocks; a chunk at a time. Waits for the copies (the
+        scheduler reads the pool blocks once the step is reported)."""
+        pool = self._pool()
+        staging, chunks = self._chunks(sorted(pairs, key=lambda p: p[1]))
+        for chunk in chunks:
+            staged = staging[: len(chunk)]
+            torch.index_select(self.kv, 0, self._ids([g for g, _ in chunk]), out=staged)
+            for src, dst, n in _runs([(i, c) for i, (_, c) in enumerate(chunk)]):
+                pool[dst : dst + n].copy_(staged[src : src + n], non_blocking=True)
+        self.fence()
+
+    def _device_swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Pool blocks copied into the staging buffer in runs, then scattered to their
+        device blocks; a chunk at a time (the stream orders a chunk's copies after the
+        previous chunk's scatter, which read the same buffer)."""
+        pool = self._pool()
+        staging, chunks = self._chunks(sorted(pairs))
+        for chunk in chunks:
+            staged = staging[: len(chunk)]
+            for src, dst, n in _runs([(c, i) for i, (c, _) in enumerate(chunk)]):
+                staged[dst : dst + n].copy_(pool[src : src + n], non_blocking=True)
+            scatter_blocks(staged, self.kv, self._ids([g for _, g in chunk]))
 
     def _cpu_copy(
         self, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]

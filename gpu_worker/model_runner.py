@@ -23,7 +23,9 @@ from transformers.utils import logging as hf_logging
 
 from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
-from gpu_worker.kv_cache import KVCache, KVLayout
+from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
+from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_timer import StepTimer
@@ -123,14 +125,20 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         max_num_batched_tokens: int,
+        max_num_seqs: int = 256,
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        cuda_graphs: bool = False,
         dtype: torch.dtype | None = None,
         swap_pool: SwapPoolSegment | None = None,
         group: ProcessGroup | None = None,
     ) -> None:
         """``group``: this rank's tensor-parallel group; the model is then sharded over
-        it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads."""
+        it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads.
+        ``cuda_graphs``: capture decode-only steps (:mod:`gpu_worker.cuda_graphs`) for
+        up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (default: the
+        checkpoint's ``max_position_embeddings``); CUDA only, ignored elsewhere."""
         self.device = device
         self.block_size = block_size
         config = AutoConfig.from_pretrained(model_dir)
@@ -156,6 +164,10 @@ class ModelRunner:
         )
         self.timer = StepTimer(device)
         self.staging = Staging(device, self.timer)
+        self.sampler = Sampler(self.staging)
+        self.memory_profile: MemoryProfile | None = None
+        self.graphs: DecodeGraphs | None = None
+        """What the cache was sized from (CUDA without num_gpu_blocks)."""
         """The step's transfers: index arrays in, sampled tokens out."""
         self.layout = KVLayout(
             num_layers=config.num_hidden_layers,
@@ -168,10 +180,21 @@ class ModelRunner:
             if device.type != "cuda":
                 raise ValueError("num_gpu_blocks must be given when the device is not CUDA")
             num_gpu_blocks = self._profile_num_blocks(
-                max_num_batched_tokens, gpu_memory_utilization
+                max_num_batched_tokens, max_num_seqs, gpu_memory_utilization
             )
-        self.sampler = Sampler(self.staging)
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
+        if cuda_graphs and device.type == "cuda":
+            max_len = min(
+                max_model_len or config.max_position_embeddings, config.max_position_embeddings
+            )
+            self.graphs = DecodeGraphs(
+                lambda tensors: self._run_model(tensors, self.kv_cache),
+                max_num_seqs=max_num_seqs,
+                width=-(-max_len // block_size),
+                device=device,
+                staging=self.staging,
+            )
+            self.graphs.capture()
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.state = WorkerState()
         # Decode steps of an unchanged batch keep each layer's gathered K/V (CPU path).
@@ -188,12 +211,15 @@ class ModelRunner:
     def num_gpu_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def _profile_num_blocks(self, max_tokens: int, utilization: float) -> int:
-        """Blocks that fit beside the weights and a forward at the full token budget."""
-        probe = KVCache(self.layout, -(-max_tokens // self.block_size), self.device)
+    def _profile_num_blocks(self, max_tokens: int, max_num_seqs: int, utilization: float) -> int:
+        """Blocks that fit beside everything else the worker will hold at its busiest
+        (:mod:`gpu_worker.memory_budget`)."""
+        probe = KVCache(
+            self.layout, -(-max_tokens // self.block_size), self.device, None, self.staging
+        )
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            self._forward(
+            hidden = self._forward(
                 StepInputs(
                     token_ids=[0] * max_tokens,
                     starts=[0],
@@ -202,41 +228,69 @@ class ModelRunner:
                 ),
                 probe,
             )
+            rows = hidden[-1:].expand(max_num_seqs, -1)
+            busiest = SamplingParams(temperature=1.0, top_p=0.9, seed=0, logprobs=20)
+            self.sampler.sample(
+                self.logits(rows),
+                [busiest] * max_num_seqs,
+                [sample_key(0, i) for i in range(max_num_seqs)],
+                [[0]] * max_num_seqs,
+            )
+            del hidden, rows
         peak = torch.cuda.max_memory_allocated(self.device)
         del probe
         torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * utilization) - peak
-        blocks = budget // self.layout.bytes_per_block
+        free, total = torch.cuda.mem_get_info(self.device)
+        profile = MemoryProfile(
+            total=total,
+            free=free,
+            torch_reserved=torch.cuda.memory_reserved(self.device),
+            torch_peak=peak,
+        )
+        reserved = swap_staging_blocks(self.layout) * self.layout.bytes_per_block
+        blocks = kv_cache_blocks(profile, utilization, reserved, self.layout.bytes_per_block)
         if self.group is not None:  # every rank of a group holds the same block count
             smallest = torch.tensor([blocks], device=self.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.group)
             blocks = int(smallest.item())
         if blocks < 1:
             raise RuntimeError(
-                f"no room for the KV cache: peak use {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}"
+                f"no room for the KV cache: {describe(profile, utilization, reserved)}"
             )
+        self.memory_profile = profile
         return int(blocks)
 
     def _forward(
         self, inputs: StepInputs, cache: KVCache, reuse: attention.DecodeReuse | None = None
     ) -> torch.Tensor:
-        """Hidden states of every packed token (under inference mode)."""
+        """Hidden states of every packed token (under inference mode): a captured graph's
+        replay for a decode-only step that fits one, else an eager forward."""
         arrays = inputs.host_arrays(self.block_size)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
-        host = self.staging.to_device(arrays)
+        if self.graphs is not None and cache is self.kv_cache:
+            hidden = self.graphs.run(arrays)
+            if hidden is not None:
+                return hidden
+        return self._run_model(self.staging.to_device(arrays), cache, reuse)
+
+    def _run_model(
+        self,
+        tensors: dict[str, torch.Tensor],
+        cache: KVCache,
+        reuse: attention.DecodeReuse | None = None,
+    ) -> torch.Tensor:
+        """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)."""
         meta = attention.StepMetadata(
-            slot_mapping=host["slot_mapping"],
-            block_tables=host["block_tables"],
-            seq_lens=host["seq_lens"],
-            query_start_loc=host["query_start_loc"],
+            slot_mapping=tensors["slot_mapping"],
+            block_tables=tensors["block_tables"],
+            seq_lens=tensors["seq_lens"],
+            query_start_loc=tensors["query_start_loc"],
             layer_caches=cache.layer_caches,
             reuse=reuse,
         )
         out = self.model.model(
-            input_ids=host["input_ids"][None],
-            position_ids=host["positions"][None],
+            input_ids=tensors["input_ids"][None],
+            position_ids=tensors["positions"][None],
             use_cache=False,
             expeditor_meta=meta,
         )

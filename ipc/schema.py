@@ -327,6 +327,14 @@ class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_fi
     """Name of the shared-memory swap pool, once it exists."""
     tensor_parallel_size: int = 1
     """Ranks holding one copy of the model together (1: each rank a whole replica)."""
+    max_num_seqs: int = 256
+    """Most sequences in one step: the sampler's rows in the memory profile, the
+    largest CUDA-graph bucket."""
+    max_model_len: int | None = None
+    """Longest sequence (None: the checkpoint's limit): the CUDA graphs' block-table
+    width."""
+    cuda_graphs: bool = True
+    """Capture decode-only steps as CUDA graphs (CUDA only)."""
     dist_master_addr: str = ""
     dist_master_port: int = 0
     """The group's rendezvous (rank 0 listens there), when tensor_parallel_size > 1."""

@@ -260,6 +260,9 @@ class SchedulerDaemon:
             gpu_memory_utilization=self.server.gpu_memory_utilization,
             swap_pool=self.swap_pool.name if self.swap_pool else None,
             tensor_parallel_size=self.server.tensor_parallel_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            cuda_graphs=self.server.cuda_graphs,
             dist_master_addr=self.server.dist_master_addr,
             dist_master_port=self.dist_port,
         )

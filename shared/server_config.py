@@ -110,6 +110,14 @@ class ServerConfig(Settings, frozen=True):
             description="Share of GPU memory a CUDA worker may use (weights + KV cache).",
         ),
     ] = 0.9
+    cuda_graphs: Annotated[
+        bool,
+        Meta(
+            description="CUDA workers capture decode-only steps as CUDA graphs at start-up, "
+            "one per batch-size bucket up to max_num_seqs (false: every step eager). "
+            "Ignored off CUDA.",
+        ),
+    ] = True
     client_timeout_s: Annotated[
         float, _seconds("A client silent this long while it has requests is gone: abort them.")
     ] = 10.0

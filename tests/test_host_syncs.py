@@ -134,3 +134,42 @@ def test_the_step_path_reads_the_device_only_through_the_staging() -> None:
     to the same rule by reading their source."""
     found = [c for path, fns in STEP_PATH.items() for c in _blocking_calls_in(path, fns)]
     assert found == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_decode_step_synchronises_once(checkpoint: Path) -> None:
+    """On a GPU, torch's own sync detector: one synchronising call per decode step."""
+    import warnings
+
+    with LLM(
+        checkpoint, device="cuda", dtype=torch.float32, max_model_len=64, cuda_graphs=False
+    ) as llm:
+        runner = llm.runner
+        counts: list[tuple[bool, int]] = []
+        execute, apply = runner.execute, runner.state.apply
+        kinds: list[bool] = []
+
+        def watched_apply(plan: Any) -> Any:
+            batch = apply(plan)
+            kinds.append(bool(batch) and all(item.num_tokens == 1 for item in batch))
+            return batch
+
+        def watched_execute(plan: Any) -> Any:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = execute(plan)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            counts.append((kinds[-1], len(syncs)))
+            return result
+
+        runner.state.apply = watched_apply  # type: ignore[method-assign]
+        runner.execute = watched_execute  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.9, seed=1)
+        llm.generate([[1, 5, 9], [1, 7, 8, 9]], params)
+    decodes = [n for decode, n in counts if decode]
+    assert decodes and all(n == 1 for n in decodes), counts

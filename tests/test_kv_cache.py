@@ -50,6 +50,38 @@ def test_swap_out_then_in_restores_every_byte(layout: KVLayout, pairing: str) ->
         cache.detach_swap_pool()
 
 
+@pytest.mark.parametrize("staging_blocks", [1, 5, 64], ids=["1-block", "5-blocks", "all"])
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+def test_the_device_path_swaps_through_a_fixed_staging_buffer(
+    monkeypatch: pytest.MonkeyPatch, staging_blocks: int, pairing: str
+) -> None:
+    """The CUDA path (gather into the staging buffer, runs to the pool; runs from the
+    pool into it, scatter), run here on CPU tensors: swaps larger than the buffer go
+    through in chunks, and every byte arrives."""
+    monkeypatch.setattr(
+        "gpu_worker.kv_cache.SWAP_STAGING_BYTES", staging_blocks * SMALL.bytes_per_block
+    )
+    with SwapPoolSegment.create(40, SMALL.bytes_per_block) as segment:
+        cache = filled(SMALL, 32, segment)
+        original = cache.kv.clone()
+        out_pairs = PAIRINGS[pairing](random.Random(3).sample(range(32), 12))
+        cache._device_swap_out(out_pairs)
+        assert cache._swap_staging is not None
+        assert cache._swap_staging.shape[0] == min(staging_blocks, 64)
+        assert cache.cpu_pool is not None
+        for dev, cpu in out_pairs:
+            assert torch.equal(cache.cpu_pool[cpu], original[dev])
+        cache.kv.zero_()
+        targets = random.Random(4).sample(range(32), 12)
+        in_pairs = [(cpu, t) for (_, cpu), t in zip(out_pairs, targets, strict=True)]
+        cache._device_swap_in(in_pairs)
+        for (dev, _), target in zip(out_pairs, targets, strict=True):
+            assert torch.equal(cache.kv[target], original[dev])
+        untouched = sorted(set(range(32)) - set(targets))
+        assert not cache.kv[untouched].any()
+        cache.detach_swap_pool()
+
+
 def test_a_second_mapping_sees_the_swapped_bytes() -> None:
     """Swapped KV lives in the segment, not in the worker: a new worker maps it back."""
     with SwapPoolSegment.create(8, SMALL.bytes_per_block) as segment:
