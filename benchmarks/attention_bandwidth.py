@@ -3,9 +3,11 @@
 A decode batch (one query token per sequence) over long paged contexts is bound by
 reading the K/V cache; this reports the bytes of K/V read per second by the Triton
 kernel, and, in the same run, the read bandwidth of a plain device copy of that many
-bytes.
+bytes. The step's attention schedule is planned once, outside the timed loop, as a
+served step plans it once for every layer (``--no-split`` keeps long decodes off the
+split-KV path, to compare).
 
-    python benchmarks/attention_bandwidth.py [--seqs 64] [--context 4096]
+    python benchmarks/attention_bandwidth.py [--seqs 64] [--context 4096] [--no-split]
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import torch
 
-from gpu_worker.kernels import paged_attention_triton
+from gpu_worker.kernels import paged_attention_triton, plan_attention
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-split", action="store_true", help="no split-KV decodes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_bandwidth needs CUDA")
@@ -55,9 +59,26 @@ def main() -> None:
     query_start_loc = torch.arange(args.seqs + 1, dtype=torch.int32, device=device)
     query = torch.randn(args.seqs, args.heads, args.head_dim, dtype=dtype, device=device)
     scale = args.head_dim**-0.5
+    schedule = plan_attention(
+        np.arange(args.seqs + 1),
+        np.full(args.seqs, args.context),
+        num_kv_heads=args.kv_heads,
+        queries_per_kv=args.heads // args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=bs,
+        num_sms=0 if args.no_split else None,
+        device=device,
+    )
     seconds = timed(
         lambda: paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            schedule=schedule,
         )
     )
     kv_bytes = args.seqs * args.context * args.kv_heads * args.head_dim * 2 * kv.element_size()
@@ -68,6 +89,7 @@ def main() -> None:
     result = {
         "seqs": args.seqs,
         "context": args.context,
+        "split_seqs": len(schedule.split_seqs),
         "kv_bytes": kv_bytes,
         "attention_ms": seconds * 1e3,
         "attention_read_gbps": kv_bytes / seconds / 1e9,

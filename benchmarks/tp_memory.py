@@ -40,7 +40,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_worker.group import join_group
-from gpu_worker.model_runner import ModelRunner, StepInputs, resolve_device, use_device
+from gpu_worker.model_runner import ModelRunner, resolve_device, use_device
+from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tiny_model import make_tiny_model
 
 PROMPT = [1, *range(40, 63)]  # BOS + 23 byte tokens

@@ -152,7 +152,9 @@ def expeditor_attention(
     paged = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
     if plan is None and use_triton(q, key_cache):
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = paged_attention(*paged, scaling, window=window, softcap=softcap)
+        out = paged_attention(
+            *paged, scaling, window=window, softcap=softcap, schedule=meta.attention_schedule
+        )
         return out.unsqueeze(0), None
     if plan is None:
         check_attention_args(

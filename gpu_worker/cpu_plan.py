@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_worker.kernels.attention_schedule import AttentionSchedule
 from gpu_worker.kernels.cpu_attention import SCRATCH, group_sequences
 
 _FOLD_MAX_Q = 16
@@ -133,6 +134,9 @@ class StepMetadata:
     """Built by the first layer of a step off the Triton path."""
     reuse: DecodeReuse | None = None
     """The worker's state across steps (None: every step gathers)."""
+    attention_schedule: AttentionSchedule | None = None
+    """The Triton path's launches, planned once per step on the host (None: each
+    layer plans its own, reading the lengths back from the device)."""
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:

@@ -77,8 +77,12 @@ def pad_decode(arrays: dict[str, np.ndarray], bucket: int, width: int) -> dict[s
     return out
 
 
-Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-"""Inputs by name (device tensors, :data:`INPUTS`) -> hidden states [tokens, hidden]."""
+Forward = Callable[[dict[str, torch.Tensor], Any], torch.Tensor]
+"""Inputs by name (device tensors, :data:`INPUTS`) and the attention schedule ->
+hidden states [tokens, hidden]."""
+Plan = Callable[[dict[str, np.ndarray]], Any]
+"""A bucket's padded host arrays -> the attention schedule its graph is captured
+with (fixed launches: no split-KV decodes), or None."""
 
 
 class DecodeGraphs:
@@ -87,6 +91,7 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Forward,
+        plan: Plan,
         *,
         max_num_seqs: int,
         width: int,
@@ -94,6 +99,7 @@ class DecodeGraphs:
         staging: Staging,
     ) -> None:
         self.forward = forward
+        self.plan = plan
         self.buckets = graph_buckets(max_num_seqs)
         self.width = width
         self.device = device
@@ -101,6 +107,9 @@ class DecodeGraphs:
         self.graphs: dict[int, Any] = {}
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._schedules: dict[int, Any] = {}
+        """Each graph's schedule: its device tensors are read by the captured launches,
+        so they live as long as the graph."""
         self.replays = 0
 
     def capture(self) -> None:
@@ -118,13 +127,15 @@ class DecodeGraphs:
             }
             padded = pad_decode(empty, bucket, self.width)
             static = {name: torch.from_numpy(a).to(self.device) for name, a in padded.items()}
+            schedule = self.plan(padded)
             with torch.inference_mode():
-                self.forward(static)  # warm-up
+                self.forward(static, schedule)  # warm-up
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.forward(static)
+                    hidden = self.forward(static, schedule)
             self.graphs[bucket] = graph
+            self._schedules[bucket] = schedule
             self._inputs[bucket] = static
             self._outputs[bucket] = hidden
         torch.cuda.synchronize(self.device)

@@ -9,9 +9,7 @@ the LM head over each sampled sequence's last position only and the sampler.
 
 from __future__ import annotations
 
-import itertools
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,69 +22,18 @@ from transformers.utils import logging as hf_logging
 from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.event_clock import EventClock
+from gpu_worker.kernels import AttentionSchedule, plan_attention, use_triton, warm_up
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
-from gpu_worker.step_timer import StepTimer
+from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One packed forward: every scheduled token side by side, sequence by sequence."""
-
-    token_ids: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    """Per sequence, the position of its first new token (its new tokens' positions,
-    and K/V slots, run on from there)."""
-    tables: list[list[int]] = field(default_factory=list)
-    """Per sequence, its block table."""
-    query_start_loc: list[int] = field(default_factory=lambda: [0])
-    """Offset of each sequence's first token in the packed batch, then the total."""
-
-    def host_arrays(self, block_size: int) -> dict[str, np.ndarray]:
-        """The step's index arrays, built without per-token Python: ``positions`` and
-        ``slot_mapping`` (int64, per token), ``block_tables`` (int32, zero-padded),
-        ``seq_lens`` and ``query_start_loc`` (int32)."""
-        num_seqs = len(self.tables)
-        query_start_loc = np.array(self.query_start_loc, dtype=np.int64)
-        starts = np.array(self.starts, dtype=np.int64)
-        num_tokens = query_start_loc[1:] - query_start_loc[:-1]
-        total = int(query_start_loc[-1])
-        if total == num_seqs and int(num_tokens.min(initial=1)) == 1:
-            positions, owner = starts, np.arange(num_seqs)  # one token each
-        else:
-            positions = np.arange(total, dtype=np.int64) + np.repeat(
-                starts - query_start_loc[:-1], num_tokens
-            )
-            owner = np.repeat(np.arange(num_seqs), num_tokens)
-        table_lens = [len(table) for table in self.tables]
-        width = max(table_lens, default=0)
-        if width and min(table_lens) == width:
-            tables = np.array(self.tables, dtype=np.int32)
-        else:
-            tables = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
-            lens = np.array(table_lens, dtype=np.int64)
-            tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(self.tables),
-                dtype=np.int32,
-                count=sum(table_lens),
-            )
-        slots = tables[owner, positions // block_size].astype(np.int64) * block_size + (
-            positions % block_size
-        )
-        return {
-            "positions": positions,
-            "slot_mapping": slots,
-            "block_tables": tables,
-            "seq_lens": (starts + num_tokens).astype(np.int32),
-            "query_start_loc": query_start_loc.astype(np.int32),
-        }
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -162,13 +109,15 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.timer = StepTimer(device)
-        self.staging = Staging(device, self.timer)
+        self.num_heads = config.num_attention_heads // world
+        """This rank's query heads."""
+        self.clock = EventClock(device)
+        self.staging = Staging(device, self.clock)
+        """The step's transfers: index arrays in, sampled tokens out."""
         self.sampler = Sampler(self.staging)
         self.memory_profile: MemoryProfile | None = None
-        self.graphs: DecodeGraphs | None = None
         """What the cache was sized from (CUDA without num_gpu_blocks)."""
-        """The step's transfers: index arrays in, sampled tokens out."""
+        self.graphs: DecodeGraphs | None = None
         self.layout = KVLayout(
             num_layers=config.num_hidden_layers,
             num_kv_heads=local_kv_heads(config, world),
@@ -183,12 +132,23 @@ class ModelRunner:
                 max_num_batched_tokens, max_num_seqs, gpu_memory_utilization
             )
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
+        # Every attention configuration the model uses compiled now, not at the first
+        # step that needs it (nothing off the Triton path).
+        cap = getattr(config, "attn_logit_softcapping", None)
+        window = getattr(config, "sliding_window", None)
+        warm_up(
+            self.layout,
+            num_heads=self.num_heads,
+            device=device,
+            layer_kinds=[(None, cap), *([(window, cap)] if window else [])],
+        )
         if cuda_graphs and device.type == "cuda":
             max_len = min(
                 max_model_len or config.max_position_embeddings, config.max_position_embeddings
             )
             self.graphs = DecodeGraphs(
-                lambda tensors: self._run_model(tensors, self.kv_cache),
+                lambda tensors, schedule: self._run_model(tensors, self.kv_cache, None, schedule),
+                lambda arrays: self.plan_attention(arrays, num_sms=0),
                 max_num_seqs=max_num_seqs,
                 width=-(-max_len // block_size),
                 device=device,
@@ -267,19 +227,41 @@ class ModelRunner:
         replay for a decode-only step that fits one, else an eager forward."""
         arrays = inputs.host_arrays(self.block_size)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
-        if self.graphs is not None and cache is self.kv_cache:
+        schedule = self.plan_attention(arrays) if use_triton(cache.kv) else None
+        # A step with split-KV decodes runs eagerly: a graph's launches are fixed.
+        split = schedule is not None and schedule.split is not None
+        if self.graphs is not None and cache is self.kv_cache and not split:
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return hidden
-        return self._run_model(self.staging.to_device(arrays), cache, reuse)
+        return self._run_model(self.staging.to_device(arrays), cache, reuse, schedule)
+
+    def plan_attention(
+        self, arrays: dict[str, np.ndarray], num_sms: int | None = None
+    ) -> AttentionSchedule:
+        """The Triton path's launches for a step (``num_sms``: None the device's own,
+        0 no split-KV decodes), from its host arrays."""
+        kv_heads = self.layout.num_kv_heads
+        return plan_attention(
+            arrays["query_start_loc"],
+            arrays["seq_lens"],
+            num_kv_heads=kv_heads,
+            queries_per_kv=self.num_heads // kv_heads,
+            head_dim=self.layout.head_dim,
+            block_size=self.block_size,
+            num_sms=num_sms,
+            device=self.device,
+        )
 
     def _run_model(
         self,
         tensors: dict[str, torch.Tensor],
         cache: KVCache,
         reuse: attention.DecodeReuse | None = None,
+        schedule: AttentionSchedule | None = None,
     ) -> torch.Tensor:
-        """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)."""
+        """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)
+        with ``schedule`` for the Triton path's attention."""
         meta = attention.StepMetadata(
             slot_mapping=tensors["slot_mapping"],
             block_tables=tensors["block_tables"],
@@ -287,6 +269,7 @@ class ModelRunner:
             query_start_loc=tensors["query_start_loc"],
             layer_caches=cache.layer_caches,
             reuse=reuse,
+            attention_schedule=schedule,
         )
         out = self.model.model(
             input_ids=tensors["input_ids"][None],
@@ -305,16 +288,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         # Timed parts: swap, forward, sample (on the device's clock where there is one:
-        # gpu_worker.step_timer); the rest of total (plan state, inputs) is the step's
+        # gpu_worker.event_clock); the rest of total (plan state, inputs) is the step's
         # preparation.
-        timer = self.timer
-        timer.start()
+        clock = self.clock
+        clock.start()
         batch = self.state.apply(plan)
-        timer.mark("applied")
+        clock.mark("applied")
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         self.kv_cache.copy(plan.copies)
-        timer.mark("swapped")
+        clock.mark("swapped")
         if not batch:
             if plan.swap_in:
                 # Nothing samples, so nothing below waits for the device: the swap-ins
@@ -324,30 +307,30 @@ class ModelRunner:
                 self.kv_cache.fence()
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
-        timer.mark("prepared")
+        clock.mark("prepared")
         try:
             hidden = self._forward(inputs, self.kv_cache, self._reuse)
         except BaseException:
             if self._reuse is not None:  # a layer may have stopped half way
                 self._reuse.plan = None
             raise
-        timer.mark("forwarded")
+        clock.mark("forwarded")
         reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden)
         read = self.staging.host_syncs > reads  # the device is done with the step
         if not read:
-            timer.mark("read")
+            clock.mark("read")
         self.state.append_sampled(sampled)
-        timer.mark("done")
+        clock.mark("done")
         return StepResult(
             step=plan.step,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             timing=StepTiming(
-                swap_s=timer.between("applied", "swapped", read),
-                forward_s=timer.between("prepared", "forwarded", read),
-                sample_s=timer.between("forwarded", "read", read),
-                total_s=timer.between("start", "done", False),
+                swap_s=clock.between("applied", "swapped", read),
+                forward_s=clock.between("prepared", "forwarded", read),
+                sample_s=clock.between("forwarded", "read", read),
+                total_s=clock.between("start", "done", False),
             ),
         )
 

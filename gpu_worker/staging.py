@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_worker.step_timer import StepTimer
+from gpu_worker.event_clock import EventClock
 
 __all__ = ["SLOTS", "Staging"]
 
@@ -38,11 +38,11 @@ _ALIGN = 8
 class Staging:
     """Transfers of one worker's steps to and from ``device``."""
 
-    def __init__(self, device: torch.device, timer: StepTimer | None = None) -> None:
-        """``timer``: marked ``"read"`` just before each read (the end of the device's
+    def __init__(self, device: torch.device, clock: EventClock | None = None) -> None:
+        """``clock``: marked ``"read"`` just before each read (the end of the device's
         work for the step, on its clock)."""
         self.device = device
-        self.timer = timer
+        self.clock = clock
         self.pinned = device.type == "cuda"
         self.host_syncs = 0
         """Blocking device-to-host reads so far (:meth:`to_host` calls)."""
@@ -84,8 +84,8 @@ class Staging:
     def to_host(self, tensor: torch.Tensor) -> list[Any]:
         """``tensor.tolist()``: the step's one blocking read (counted)."""
         self.host_syncs += 1
-        if self.timer is not None:
-            self.timer.mark("read")
+        if self.clock is not None:
+            self.clock.mark("read")
         return tensor.tolist()
 
     def _buffer(self, size: int) -> torch.Tensor:

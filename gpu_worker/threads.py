@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from gpu_worker.model_runner import ModelRunner, StepInputs
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step_inputs import StepInputs
 
 log = logging.getLogger("expeditor.worker")
 

@@ -22,7 +22,8 @@ from gpu_worker.cuda_graphs import (
     pad_decode,
 )
 from gpu_worker.engine import LLM
-from gpu_worker.model_runner import ModelRunner, StepInputs
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
 
@@ -150,17 +151,31 @@ def fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_replay_goes_through_the_static_inputs(runner: ModelRunner, fake_cuda_graphs: None) -> None:
-    def forward(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    planned: list[int] = []
+
+    def forward(tensors: dict[str, torch.Tensor], schedule: object) -> torch.Tensor:
+        assert schedule == "schedule-of-the-bucket"
         return runner._run_model(tensors, runner.kv_cache)
 
+    def plan(arrays: dict[str, np.ndarray]) -> str:
+        planned.append(arrays["seq_lens"].shape[0])
+        return "schedule-of-the-bucket"
+
     graphs = DecodeGraphs(
-        forward, max_num_seqs=4, width=6, device=torch.device("cpu"), staging=runner.staging
+        forward,
+        plan,
+        max_num_seqs=4,
+        width=6,
+        device=torch.device("cpu"),
+        staging=runner.staging,
     )
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4]
+    assert planned == [4, 2, 1]  # one schedule per bucket, kept with its graph
     for bucket, graph in graphs.graphs.items():
         static, out = graphs._inputs[bucket], graphs._outputs[bucket]
-        graph.replay_fn = lambda s=static, o=out: o.copy_(forward(s))
+        schedule = graphs._schedules[bucket]
+        graph.replay_fn = lambda s=static, o=out, p=schedule: o.copy_(forward(s, p))
 
     contexts = [list(range(1, 1 + n)) for n in (9, 20, 3)]
     tables = _prefill(runner, contexts)

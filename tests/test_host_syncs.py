@@ -102,8 +102,12 @@ STEP_PATH = {
         "_rows",
         "_sample_rows",
         "_prepare_inputs",
-        "host_arrays",
+        "_run_model",
+        "plan_attention",
     },
+    "gpu_worker/step_inputs.py": None,
+    "gpu_worker/kernels/attention_schedule.py": None,
+    "gpu_worker/cuda_graphs.py": {"run", "pad_decode", "is_decode_only", "bucket_for"},
     "gpu_worker/sampler.py": None,  # every function
     "gpu_worker/attention.py": {"expeditor_attention"},
 }

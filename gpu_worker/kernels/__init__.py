@@ -12,8 +12,14 @@ Each public function dispatches to ``<name>_triton`` when its tensors are on CUD
 environment sets ``EXPEDITOR_FORCE_TRITON=1`` (e.g. with ``TRITON_INTERPRET=1`` on CPU),
 else to ``<name>_ref``; except ``paged_attention``, whose non-Triton path is the faster
 ``paged_attention_cpu`` (its reference stays the tests' oracle).
+
+``paged_attention``'s Triton path runs a step's :class:`AttentionSchedule`, built once per
+step on the host by :func:`plan_attention` (decode tiles, prefill tiles, split-KV decodes
+for long contexts) and shared by every layer; :func:`warm_up` compiles its kernels'
+variants at start-up.
 """
 
+from gpu_worker.kernels.attention_schedule import AttentionSchedule, plan_attention
 from gpu_worker.kernels.block_copy import (
     copy_blocks,
     copy_blocks_ref,
@@ -32,8 +38,10 @@ from gpu_worker.kernels.paged_attention import (
     paged_attention_triton,
 )
 from gpu_worker.kernels.store_kv import store_kv, store_kv_ref, store_kv_triton, use_triton
+from gpu_worker.kernels.warmup import warm_up
 
 __all__ = [
+    "AttentionSchedule",
     "copy_blocks",
     "copy_blocks_ref",
     "copy_blocks_triton",
@@ -44,6 +52,7 @@ __all__ = [
     "paged_attention_cpu",
     "paged_attention_ref",
     "paged_attention_triton",
+    "plan_attention",
     "scatter_blocks",
     "scatter_blocks_ref",
     "scatter_blocks_triton",
@@ -51,4 +60,5 @@ __all__ = [
     "store_kv_ref",
     "store_kv_triton",
     "use_triton",
+    "warm_up",
 ]

@@ -1,4 +1,4 @@
-"""gpu_worker.step_timer: a step's parts on the device's clock when the device is done
+"""gpu_worker.event_clock: a step's parts on the device's clock when the device is done
 with them, on the host's otherwise (CUDA events faked: no GPU here)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker.event_clock import EventClock
 from gpu_worker.staging import Staging
-from gpu_worker.step_timer import StepTimer
 
 DEVICE_CLOCK = itertools.count(step=10)  # ms: each recorded event 10 ms after the last
 
@@ -37,37 +37,37 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_off_cuda_parts_are_host_time() -> None:
-    timer = StepTimer(torch.device("cpu"))
-    timer.start()
-    timer.mark("a")
+    clock = EventClock(torch.device("cpu"))
+    clock.start()
+    clock.mark("a")
     total = sum(range(100_000))  # some host work between the marks
-    timer.mark("b")
+    clock.mark("b")
     assert total > 0
-    host = timer._host["b"] - timer._host["a"]
-    assert timer.between("a", "b", device_done=True) == host
-    assert timer.between("a", "b", device_done=False) == host
+    host = clock._host["b"] - clock._host["a"]
+    assert clock.between("a", "b", device_done=True) == host
+    assert clock.between("a", "b", device_done=False) == host
 
 
 def test_on_cuda_a_finished_step_is_measured_between_events(fake_cuda: None) -> None:
-    timer = StepTimer(torch.device("cuda", 0))
-    timer.start()
-    timer.mark("prepared")
-    timer.mark("forwarded")
-    timer.mark("read")
-    assert timer.between("prepared", "forwarded", device_done=True) == pytest.approx(0.010)
-    assert timer.between("start", "read", device_done=True) == pytest.approx(0.030)
+    clock = EventClock(torch.device("cuda", 0))
+    clock.start()
+    clock.mark("prepared")
+    clock.mark("forwarded")
+    clock.mark("read")
+    assert clock.between("prepared", "forwarded", device_done=True) == pytest.approx(0.010)
+    assert clock.between("start", "read", device_done=True) == pytest.approx(0.030)
     # Not done: the events may not have happened yet, so the host's clock is used.
-    host = timer._host["read"] - timer._host["start"]
-    assert timer.between("start", "read", device_done=False) == host
+    host = clock._host["read"] - clock._host["start"]
+    assert clock.between("start", "read", device_done=False) == host
 
 
 def test_the_staging_marks_the_read(fake_cuda: None) -> None:
     """The read of the tokens marks the end of the device's work on the step, before the
     host waits for it."""
-    timer = StepTimer(torch.device("cuda", 0))
-    staging = Staging(torch.device("cpu"), timer)
-    timer.start()
-    assert "read" not in timer._events
+    clock = EventClock(torch.device("cuda", 0))
+    staging = Staging(torch.device("cpu"), clock)
+    clock.start()
+    assert "read" not in clock._events
     assert staging.to_host(torch.tensor([3, 4])) == [3, 4]
     assert staging.host_syncs == 1
-    assert "read" in timer._events
+    assert "read" in clock._events

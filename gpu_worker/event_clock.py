@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimer"]
+__all__ = ["EventClock"]
 
 
-class StepTimer:
+class EventClock:
     """Named marks of one step at a time: :meth:`start`, :meth:`mark` at each boundary,
     then :meth:`between` two marks."""
 
