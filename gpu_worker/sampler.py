@@ -92,13 +92,20 @@ def _mix32(x: Tensor) -> Tensor:
 
 def keyed_exponentials(keys: Tensor, vocab: int) -> Tensor:
     """``[len(keys), vocab]`` float32 Exp(1) draws, a pure function of (key, token id):
-    ``-log(u)`` with ``u`` in (0, 1) from 24 bits of a two-round keyed hash."""
+    ``-log(u)`` with ``u`` in (0, 1) from 23 bits of a two-round keyed hash: ``(k + 0.5)
+    / 2**23`` for ``k < 2**23`` is exact in float32, so ``u`` is never 0 or 1 (with 24
+    bits the largest would round up to 1, giving q = 0: a draw won by that token
+    whatever its probability)."""
     lo = (keys & _M32)[:, None]
     hi = ((keys >> 32) & _M32)[:, None]
     ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
     bits = _mix32((_mix32(ids ^ lo) + hi) & _M32)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    return -torch.log(open_unit(bits))
+
+
+def open_unit(bits: Tensor) -> Tensor:
+    """32-bit hash values (int64 tensors) -> float32 uniforms strictly inside (0, 1)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 class SampleOutput(msgspec.Struct):

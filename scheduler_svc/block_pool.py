@@ -183,7 +183,8 @@ class DeviceBlockPool:
             if have != want:
                 problems.append(f"device block {block}: refcount {have}, held by {want} tables")
             if (have == 0) != self._is_free[block]:
-                problems.append(f"device block {block}: refcount {have} but free={not have}")
+                flagged = self._is_free[block]
+                problems.append(f"device block {block}: refcount {have} but free={flagged}")
         shared = sum(1 for r in self.ref_cnt if r > 1)
         if shared != self.num_shared:
             problems.append(f"{shared} device blocks shared, counted {self.num_shared}")

@@ -107,6 +107,9 @@ class Scheduler(SequenceEnding):
         """Unfinished requests by id."""
         self.seqs: dict[str, Sequence] = {}
         """Unfinished sequences by id."""
+        self.seq_ids_taken: dict[str, str] = {}
+        """Every sequence id of an unfinished request, forked or still to fork, and its
+        request's id: a new request may take none of them."""
 
         self.step = 0
         """Index of the next step to schedule."""
@@ -150,6 +153,8 @@ class Scheduler(SequenceEnding):
         seq.pending_forks = params.n - 1
         request.seqs.append(seq)
         self.requests[request_id] = request
+        for index in range(params.n):
+            self.seq_ids_taken[request.seq_id(index)] = request_id
         self.seqs[seq.seq_id] = seq
         self.waiting.push(seq)
         return request
@@ -176,7 +181,7 @@ class Scheduler(SequenceEnding):
             raise RejectedError(ErrorCode.DUPLICATE, f"request_id {request_id!r} is already in use")
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
-            if seq_id in self.seqs:
+            if seq_id in self.seq_ids_taken:
                 raise RejectedError(
                     ErrorCode.DUPLICATE, f"sequence id {seq_id!r} is already in use"
                 )

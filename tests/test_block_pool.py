@@ -330,3 +330,57 @@ def test_free_queue_matches_an_lru_ordered_dict_under_random_operations() -> Non
         assert pool.num_free == len(model)
         assert all((b in pool.free_queue) == (b in model) for b in range(8))
         assert pool.check(refcounts) == []
+
+
+def test_free_queue_setitem_appends_and_delitem_takes_out() -> None:
+    # The OrderedDict-style view: `queue[b] = None` puts a block at the back of the
+    # eviction order, `del queue[b]` takes it out of the middle.
+    pool = DeviceBlockPool(4)
+    del pool.free_queue[1]
+    assert list(pool.free_queue) == [0, 2, 3] and 1 not in pool.free_queue
+    pool.free_queue[1] = None
+    assert list(pool.free_queue) == [0, 2, 3, 1] and len(pool.free_queue) == 4
+    pool.free_queue[1] = None  # already free: no second entry
+    assert list(pool.free_queue) == [0, 2, 3, 1]
+    assert pool.allocate(4) == [0, 2, 3, 1]
+    with pytest.raises(KeyError, match=r"^0$"):
+        del pool.free_queue[0]  # not free
+
+
+def test_check_names_each_device_pool_inconsistency() -> None:
+    pool = DeviceBlockPool(3)
+    pool.allocate(1)
+    pool.free_queue[0] = None  # in use yet free
+    assert pool.check([1, 0, 0]) == [
+        "device block 0: refcount 1 but free=True",
+        "device blocks: 1 used + 3 free != 3",
+    ]
+    pool = DeviceBlockPool(3)
+    del pool.free_queue[2]  # not in use yet not free
+    assert pool.check([0, 0, 0]) == [
+        "device block 2: refcount 0 but free=False",
+        "device blocks: 0 used + 2 free != 3",
+    ]
+    pool = DeviceBlockPool(3)
+    pool.allocate(2)
+    pool.share([0])
+    pool.num_shared = 0  # the count of shared blocks went stale
+    assert pool.check([2, 1, 0]) == ["1 device blocks shared, counted 0"]
+    pool = DeviceBlockPool(3)
+    pool._is_free[2] = False  # flagged in use, yet in the free queue
+    assert pool.check([0, 0, 0]) == [
+        "device block 2: refcount 0 but free=False",
+        "free queue holds 3 blocks, flagged 2",
+    ]
+
+
+def test_check_names_each_cpu_pool_inconsistency() -> None:
+    pool = CpuBlockPool(12)
+    held = pool.allocate(10)
+    assert pool.check(held) == []
+    assert pool.check(held + held[:1]) == ["a CPU block is held by two swapped sequences"]
+    assert pool.check(held[:9]) == [
+        "CPU blocks in use [0, 1, 2, 3, 4, 5, 6, 7]... differ from held [0, 1, 2, 3, 4, 5, 6, 7]..."
+    ]
+    pool._free.append(11)  # a block both free and in use
+    assert pool.check(held) == ["CPU blocks: used + free != total"]

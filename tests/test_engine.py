@@ -157,11 +157,25 @@ def test_every_eos_id_of_the_generation_config_ends_generation(
         assert kept[0].token_ids == tokens
 
 
+def top_tokens(entry: dict[int, float], k: int) -> list[int]:
+    """The ``k`` most likely tokens of a logprobs entry, best first."""
+    return sorted(entry, key=entry.__getitem__, reverse=True)[:k]
+
+
 def test_logprobs_of_forked_samples_belong_to_each_sample(make_llm) -> None:
     llm = make_llm(num_gpu_blocks=64)
-    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, logprobs=2)
+    # A high temperature spreads the draws, so the samples' first tokens differ; the
+    # logprobs are the model's (before temperature) whatever it is.
+    params = SamplingParams(temperature=5.0, seed=3, n=3, max_tokens=5, logprobs=2)
     completion = llm.generate([[1, 70, 71, 72]], params)[0]
+    assert len({s.token_ids[0] for s in completion.samples}) > 1
+    fork_top: set[tuple[int, float]] = set()
     for sample in completion.samples:
         assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
         for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
-            assert token in entry
+            # The 2 most likely tokens, plus the sample's own token when it is not one.
+            assert token in entry and set(entry) - set(top_tokens(entry, 2)) <= {token}, entry
+        # Every first token was drawn from one row, the fork step's: the same top 2.
+        first = sample.logprobs[0]
+        fork_top |= {(t, first[t]) for t in top_tokens(first, 2)}
+    assert len(fork_top) == 2

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -554,9 +556,11 @@ def test_metrics_move_with_traffic_from_http_and_zmq(server, sync_client, model_
 # -- a second server: API key, limits, overload, shutdown ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def guarded(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    key_file = tmp_path_factory.mktemp("key") / "api_key"
+@contextmanager
+def _guarded_serve(
+    model: Path, key_dir: Path
+) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    key_file = key_dir / "api_key"
     key_file.write_text("s3cret\n")
     port = free_port()
     flags = (
@@ -566,6 +570,20 @@ def guarded(model: Path, tmp_path_factory: pytest.TempPathFactory):
     )  # fmt: skip
     with running_serve(model, *flags, lines=2) as (lines, proc):
         yield lines[0], lines[1], proc
+
+
+@pytest.fixture(scope="module")
+def guarded(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Shared by the module's tests, in whatever order they run: none may stop it."""
+    with _guarded_serve(model, tmp_path_factory.mktemp("key")) as served:
+        yield served
+
+
+@pytest.fixture
+def guarded_alone(model: Path, tmp_path: Path):
+    """A guarded server of its own, for a test that shuts it down."""
+    with _guarded_serve(model, tmp_path) as served:
+        yield served
 
 
 AUTH = {"authorization": "Bearer s3cret"}
@@ -657,8 +675,8 @@ def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, 
     _wait_idle(frontend)
 
 
-def test_shutting_down_answers_503_and_requests_in_flight_finish(guarded) -> None:
-    _, url, proc = guarded
+def test_shutting_down_answers_503_and_requests_in_flight_finish(guarded_alone) -> None:
+    _, url, proc = guarded_alone
     client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
     name = client.models.list().data[0].id
     stream = client.completions.create(

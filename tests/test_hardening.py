@@ -30,6 +30,10 @@ from ipc.errors import (
 from ipc.schema import ErrorReply, client_decoder, server_decoder
 from scheduler_svc.launch import child_pids, cmdline, running_server
 
+SAFETY_S = 120.0
+"""How long a test waits for a condition before it fails: a safety net against a hang,
+never a measure of speed."""
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -400,17 +404,34 @@ def test_quarantine_after_two_failed_steps(model: Path) -> None:
     """A request in flight when a worker dies twice is failed as quarantined; one that
     came after the first failure is served."""
     flags = ("--num-gpu-blocks", "128", "--max-model-len", "1024")
-    with running_server(model, *flags) as (address, proc):
+    with running_server(model, *flags) as (address, _):
 
-        async def running(client: AsyncClient, request_id: str) -> None:
+        async def running(client: AsyncClient, request_id: str, *, not_on: int = 0) -> int:
+            """Wait until ``request_id`` runs, with K/V on a ready worker other than pid
+            ``not_on`` (a worker already killed); that worker's pid."""
+            deadline = time.monotonic() + SAFETY_S
             while True:
-                snapshot = (await client.inspect()).snapshot
-                assert snapshot is not None
-                if any(
-                    s.request_id == request_id and s.state == "running" and s.num_output_tokens
-                    for s in snapshot.seqs
+                reply = await client.inspect()
+                assert reply.snapshot is not None
+                workers = [w.pid for w in reply.workers if w.state == "ready" and w.pid != not_on]
+                if workers and any(
+                    s.request_id == request_id
+                    and s.state == "running"
+                    and s.num_output_tokens
+                    and s.num_computed_tokens
+                    for s in reply.snapshot.seqs
                 ):
-                    return
+                    return workers[0]
+                assert time.monotonic() < deadline, f"{request_id} never ran on a new worker"
+                await asyncio.sleep(0.02)
+
+        async def lost(client: AsyncClient, pid: int) -> None:
+            """Wait until the scheduler has seen worker ``pid`` gone."""
+            deadline = time.monotonic() + SAFETY_S
+            while not any(
+                w.pid == pid and w.state == "lost" for w in (await client.inspect()).workers
+            ):
+                assert time.monotonic() < deadline, f"worker {pid} never seen lost"
                 await asyncio.sleep(0.02)
 
         async def scenario() -> tuple[BaseException | None, str]:
@@ -420,14 +441,13 @@ def test_quarantine_after_two_failed_steps(model: Path) -> None:
                         prompt_token_ids=[1, 6], max_tokens=900, ignore_eos=True, request_id="v"
                     )
                 )
-                await running(client, "v")
-                os.kill(_pid_of(proc, "worker"), signal.SIGKILL)
-                await asyncio.sleep(0.3)
+                first = await running(client, "v")
+                os.kill(first, signal.SIGKILL)
+                await lost(client, first)  # so the later request was not in that step
                 later = asyncio.ensure_future(
                     client.generate(prompt_token_ids=[1, 7], max_tokens=40, ignore_eos=True)
                 )
-                await running(client, "v")
-                os.kill(_pid_of(proc, "worker"), signal.SIGKILL)
+                os.kill(await running(client, "v", not_on=first), signal.SIGKILL)
                 try:
                     await victim
                     error = None
@@ -459,8 +479,11 @@ def test_serve_under_ctrl_c_drains_too(model: Path) -> None:
                 task = asyncio.ensure_future(
                     client.generate(prompt_token_ids=[1, 9], max_tokens=60, ignore_eos=True)
                 )
-                await asyncio.sleep(0.5)
-                os.killpg(proc.pid, signal.SIGINT)
+                deadline = time.monotonic() + SAFETY_S
+                while not (await client.inspect()).snapshot.num_running:  # type: ignore[union-attr]
+                    assert time.monotonic() < deadline, "the request never ran"
+                    await asyncio.sleep(0.02)
+                os.killpg(proc.pid, signal.SIGINT)  # while it runs
                 return (await task).finish_reason
 
         assert asyncio.run(scenario()) == "length"

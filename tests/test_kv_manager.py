@@ -347,6 +347,13 @@ def test_can_swap_out_needs_blocks_and_cpu_room() -> None:
     assert not kv.can_swap_out(seq)  # holds nothing
     prefill(kv, seq)
     assert not kv.can_swap_out(seq)  # 3 blocks, 2 CPU blocks
+    kv = make_kv(num_gpu_blocks=8, num_cpu_blocks=3)
+    seq = make_seq(PROMPT10)
+    prefill(kv, seq)
+    assert kv.can_swap_out(seq)  # 3 blocks, exactly 3 CPU blocks
+    short = make_seq([7, 8])
+    prefill(kv, short)
+    assert kv.can_swap_out(short)  # one block
 
 
 def test_swap_in_reuses_still_cached_full_blocks() -> None:

@@ -369,6 +369,21 @@ def test_from_config_converts_units() -> None:
     model = PreemptionCostModel.from_config(cfg, kv_bytes_per_block=4096)
     assert model.mode == "swap"
     assert model.kv_bytes_per_block == 4096
-    assert model.swap_bandwidth_bytes_per_s == pytest.approx(8e9)
+    assert model.swap_bandwidth_bytes_per_s == 8e9  # GB/s are 10**9 bytes/s
     assert model.prefill_tokens_per_s == 1234.0
     assert model.swap_overhead_s == pytest.approx(0.0025)
+
+
+def test_auto_recomputes_on_a_tie() -> None:
+    # Swap only when it is strictly faster: 2 blocks of 1 byte at 1 byte/s each way
+    # take 4 s, as does recomputing 4 tokens at 1 token/s.
+    model = PreemptionCostModel(
+        mode="auto",
+        kv_bytes_per_block=1,
+        swap_bandwidth_bytes_per_s=1.0,
+        prefill_tokens_per_s=1.0,
+        swap_overhead_s=0.0,
+    )
+    assert model.swap_seconds(2) == model.recompute_seconds(4) == 4.0
+    assert model.choose(victim(2, 4), cpu_free_blocks=2) == "recompute"
+    assert model.choose(victim(2, 5), cpu_free_blocks=2) == "swap"

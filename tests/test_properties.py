@@ -7,8 +7,7 @@ the end, that every request ended with exactly the tokens it would have produced
 
 from __future__ import annotations
 
-import os
-
+from conftest import hypothesis_profile
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +77,8 @@ def _never_fits(req: TraceRequest, cfg: SchedulerConfig) -> bool:
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("EXPEDITOR_PROPERTY_EXAMPLES", "150")),
+    # max_examples comes from the Hypothesis profile (tests/conftest.py): 300 in ci
+    # (derandomized), 150 in dev, 1000 in thorough.
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -102,6 +102,23 @@ def test_tiny_pools_force_preemption(
     cfg: SchedulerConfig, trace: list[TraceRequest], overlap: bool
 ) -> None:
     _run_and_check(cfg, trace, overlap)
+
+
+def test_profiles_keep_the_property_tests_strong() -> None:
+    """The profiles of tests/conftest.py: ci derandomized (reproducible) with at least
+    the 150 examples the property tests always had; thorough more than dev; and the
+    property tests take their count from the profile in use."""
+    ci, dev, thorough = (settings.get_profile(name) for name in ("ci", "dev", "thorough"))
+    assert ci.derandomize and ci.database is None and ci.print_blob
+    assert not dev.derandomize and not thorough.derandomize
+    assert ci.max_examples >= 150 and dev.max_examples >= 150
+    assert thorough.max_examples > dev.max_examples
+    assert ci.deadline is None and dev.deadline is None and thorough.deadline is None
+    assert SETTINGS.max_examples == settings().max_examples >= 150
+    assert hypothesis_profile({}) == "dev"
+    assert hypothesis_profile({"CI": "true"}) == "ci"
+    assert hypothesis_profile({"CI": "false"}) == "dev"
+    assert hypothesis_profile({"CI": "true", "HYPOTHESIS_PROFILE": "thorough"}) == "thorough"
 
 
 def _run_and_check(cfg: SchedulerConfig, trace: list[TraceRequest], overlap: bool) -> None:

@@ -31,7 +31,7 @@ def test_empty_queue() -> None:
     assert len(queue) == 0
     assert queue.peek() is None
     assert list(queue) == []
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"^pop from an empty queue$"):
         queue.pop()
 
 

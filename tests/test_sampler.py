@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gpu_worker.sampler import SampleOutput, Sampler, keyed_exponentials, sample_key
+from gpu_worker.sampler import (
+    SampleOutput,
+    Sampler,
+    keyed_exponentials,
+    open_unit,
+    sample_key,
+)
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -448,3 +454,11 @@ def test_cuda_matches_contract() -> None:
     logits = random_logits(64, 100, seed=15).to(cuda, torch.bfloat16)
     out = sample(logits, [SamplingParams(temperature=0)] * 64)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+
+
+def test_keyed_uniforms_stay_inside_the_open_interval() -> None:
+    """The extreme hash values map strictly inside (0, 1), so q is never 0 (a token
+    winning its draw whatever its probability) nor infinite."""
+    u = open_unit(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64))
+    assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
+    assert float(u[0]) == 0.5 / 2**23 and float(u[-1]) == 1 - 0.5 / 2**23

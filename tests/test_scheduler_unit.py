@@ -816,13 +816,13 @@ def test_schedule_twice_without_update_raises() -> None:
     h = Harness()
     h.add("r", 6, max_tokens=2)
     h.sched.schedule()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"^schedule\(\) called with too many steps in flight$"):
         h.sched.schedule()
 
 
 def test_update_without_a_step_raises() -> None:
     h = Harness()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"^update\(\) without a scheduled step$"):
         h.sched.update(StepResult(step=0, sampled_token_ids={}))
 
 
@@ -831,7 +831,7 @@ def test_update_rejects_a_result_for_another_step() -> None:
     h.add("r", 6, max_tokens=2)
     plan = h.sched.schedule()
     result = h.worker.execute(plan)
-    with pytest.raises(WorkerProtocolError):
+    with pytest.raises(WorkerProtocolError, match=r"^result for step 5, expected 0$"):
         h.sched.update(StepResult(step=5, sampled_token_ids=result.sampled_token_ids))
 
 
@@ -841,7 +841,7 @@ def test_update_rejects_a_wrong_number_of_samples(tokens: list[int] | None) -> N
     h.add("r", 6, max_tokens=2)
     h.sched.schedule()
     sampled = {} if tokens is None else {"r": tokens}
-    with pytest.raises(WorkerProtocolError, match="r"):
+    with pytest.raises(WorkerProtocolError, match=r"^r: expected 1 sampled tokens, got "):
         h.sched.update(StepResult(step=0, sampled_token_ids=sampled))
 
 

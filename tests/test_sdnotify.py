@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from scheduler_svc import sdnotify
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs AF_UNIX sockets")
 
@@ -27,7 +30,9 @@ class Receiver:
         return self.sock.recv(65536).decode()
 
     def drain(self) -> list[str]:
+        """What is queued now, without waiting."""
         messages = []
+        timeout = self.sock.gettimeout()
         self.sock.setblocking(False)
         try:
             while True:
@@ -35,13 +40,40 @@ class Receiver:
         except BlockingIOError:
             return messages
         finally:
-            self.sock.setblocking(True)
+            self.sock.settimeout(timeout)
+
+
+SAFETY_S = 30.0
+"""How long a test waits for something that should happen at once before it fails
+(a safety net, not a measure of speed)."""
+
+
+def _in_thread(call: Callable[[], T]) -> T:
+    """``call()``, run in a daemon thread; fails the test if it has not returned after
+    SAFETY_S (so a call blocked for good fails the test instead of hanging it)."""
+    outcome: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(SAFETY_S)
+    if thread.is_alive():
+        pytest.fail(f"still blocked after {SAFETY_S:g} s")
+    if errors:
+        raise errors[0]
+    return outcome[0]
 
 
 def _bound_socket(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(address)
-    sock.settimeout(5.0)
+    sock.settimeout(SAFETY_S)  # a receive that never comes fails the test
     return sock
 
 
@@ -162,18 +194,40 @@ def _fill_queue(address: str) -> None:
     pytest.fail("the receive queue never filled up")
 
 
-def test_full_queue_neither_blocks_for_long_nor_raises(
+def test_full_queue_neither_blocks_for_good_nor_raises(
     receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With systemd's receive queue full, notify() gives up after SEND_TIMEOUT_S and
+    returns False; the watchdog task drops its pings (sent without blocking) and keeps
+    running. Nobody drains the queue here, so a send that blocked would block for good:
+    the calls run in a thread that the test only waits on for SAFETY_S."""
     monkeypatch.setattr(sdnotify, "SEND_TIMEOUT_S", 0.05)
     _fill_queue(os.environ["NOTIFY_SOCKET"])
-    start = time.monotonic()
-    assert sdnotify.notify("READY=1") is False
-    assert time.monotonic() - start < 1.0
-    # The watchdog task drops pings rather than block the event loop.
-    start = time.monotonic()
-    asyncio.run(_run_for(sdnotify.Watchdog(0.01), 0.1))
-    assert time.monotonic() - start < 1.0
+    assert _in_thread(lambda: sdnotify.notify("READY=1")) is False
+
+    checks = 0
+
+    async def main() -> None:
+        enough = asyncio.Event()
+
+        def healthy() -> bool:  # called before each ping: one more ping was attempted
+            nonlocal checks
+            checks += 1
+            if checks == 5:
+                enough.set()
+            return True
+
+        task = asyncio.create_task(sdnotify.Watchdog(0.01, healthy=healthy).run())
+        await enough.wait()  # four pings went out (or were dropped) and the task runs on
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _in_thread(lambda: asyncio.run(main()))
+    assert checks >= 5
+    queued = receiver.drain()
+    assert queued and set(queued) == {"X=1"}  # the pings were dropped, not queued
 
 
 # --------------------------------------------------------------------------- watchdog_interval
@@ -210,24 +264,26 @@ def test_watchdog_interval(
 # --------------------------------------------------------------------------- Watchdog
 
 
-async def _run_for(dog: sdnotify.Watchdog, seconds: float) -> None:
+async def _pings_while_running(dog: sdnotify.Watchdog, receiver: Receiver, count: int) -> list[str]:
+    """Run ``dog`` until ``receiver`` got ``count`` notifications, then cancel it; the
+    notifications, each received while the task was still running."""
     task = asyncio.create_task(dog.run())
-    await asyncio.sleep(seconds)
-    assert not task.done()
+    received = []
+    for _ in range(count):
+        received.append(await asyncio.to_thread(receiver.receive))  # SAFETY_S at most
+        assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert task.cancelled()
+    return received
 
 
 def test_watchdog_pings_repeatedly_until_cancelled(receiver: Receiver) -> None:
-    asyncio.run(_run_for(sdnotify.Watchdog(0.01), 0.2))
-    pings = receiver.drain()
-    assert len(pings) >= 3
-    assert set(pings) == {"WATCHDOG=1"}
-    # Cancelled: nothing more arrives.
-    receiver.sock.settimeout(0.1)
-    with pytest.raises(TimeoutError):
-        receiver.receive()
+    pings = asyncio.run(_pings_while_running(sdnotify.Watchdog(0.01), receiver, 3))
+    assert pings == ["WATCHDOG=1"] * 3
+    # What the task sent before it was cancelled is all there is: nothing but pings.
+    assert set(receiver.drain()) <= {"WATCHDOG=1"}
 
 
 def test_watchdog_takes_its_interval_from_the_environment(
@@ -237,42 +293,51 @@ def test_watchdog_takes_its_interval_from_the_environment(
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
     dog = sdnotify.Watchdog()
     assert dog.interval == pytest.approx(0.01)
-    asyncio.run(_run_for(dog, 0.2))
-    assert len(receiver.drain()) >= 3
+    assert asyncio.run(_pings_while_running(dog, receiver, 3)) == ["WATCHDOG=1"] * 3
 
 
 def test_watchdog_without_interval_returns_at_once(receiver: Receiver) -> None:
     dog = sdnotify.Watchdog()
     assert dog.interval is None
-
-    async def main() -> None:
-        await asyncio.wait_for(dog.run(), timeout=1.0)
-
-    asyncio.run(main())
+    run = dog.run()
+    with pytest.raises(StopIteration):  # finished on its first step: it never waited
+        run.send(None)
     assert receiver.drain() == []
 
 
 def test_watchdog_withholds_pings_while_unhealthy(receiver: Receiver) -> None:
+    """Each check that says unhealthy withholds that ping; pings resume once healthy."""
     healthy = True
+    checks = {True: 0, False: 0}
+    checked = asyncio.Event()
 
     def check() -> bool:
+        checks[healthy] += 1
+        checked.set()
         return healthy
+
+    async def checks_while(state: bool, count: int) -> None:
+        while checks[state] < count:
+            checked.clear()
+            await checked.wait()
 
     async def main() -> None:
         nonlocal healthy
         task = asyncio.create_task(sdnotify.Watchdog(0.01, healthy=check).run())
-        await asyncio.sleep(0.1)
-        assert receiver.drain()  # pinging while healthy
+        await checks_while(True, 2)
+        # The task sleeps between checks on this loop, so every ping it sent is queued.
+        assert receiver.drain() == ["WATCHDOG=1"] * checks[True]
         healthy = False
-        await asyncio.sleep(0.02)  # let a ping already due go out
-        receiver.drain()
-        await asyncio.sleep(0.1)
-        assert receiver.drain() == []
+        await checks_while(False, 3)
+        assert receiver.drain() == []  # three checks said unhealthy: no ping
+        healthy = True
+        await checks_while(True, checks[True] + 1)
+        assert receiver.drain() == ["WATCHDOG=1"]  # healthy again: pinging again
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), SAFETY_S))
 
 
 @pytest.mark.parametrize("interval", [0.0, -1.0])

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import FIELD_HELP, SCHEDULER_FIELDS, SchedulerConfig, load_config
+from shared.server_config import load_server_config
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 INSTALLED_BINARY = "/usr/local/bin/expeditor"
@@ -263,8 +264,7 @@ def test_example_scheduler_table_loads_with_the_defaults() -> None:
 
 
 def test_example_server_table_loads() -> None:
-    server_config = pytest.importorskip("shared.server_config")
-    loaded = server_config.load_server_config(EXAMPLE_CONFIG, env={})
+    loaded = load_server_config(EXAMPLE_CONFIG, env={})
     assert loaded.frontend == "ipc:///run/expeditor/frontend.sock"
 
 

@@ -4,13 +4,12 @@ model loads, so a slow load is not taken for a dead worker."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from gpu_worker.daemon import HEARTBEAT_S, WorkerDaemon
+from gpu_worker.daemon import WorkerDaemon
 from ipc.schema import (
     Shutdown,
     WorkerHello,
@@ -20,11 +19,14 @@ from ipc.schema import (
     worker_decoder,
 )
 
-LOAD_S = 4 * HEARTBEAT_S
+BEATS_WHILE_LOADING = 2
+SAFETY_S = 60.0
+"""How long the fake load waits for heartbeats before it gives up: a safety net."""
 
 
-def _fake_scheduler(sock: zmq.Socket, seen: list[str]) -> None:
-    """Answer the join with a setup, note every frame until the hello, then dismiss."""
+def _fake_scheduler(sock: zmq.Socket, seen: list[str], beats: threading.Event) -> None:
+    """Answer the join with a setup, note every frame until the hello, then dismiss;
+    set ``beats`` once BEATS_WHILE_LOADING heartbeats came."""
     if not sock.poll(10_000):
         return
     identity, frame = sock.recv_multipart()
@@ -33,14 +35,20 @@ def _fake_scheduler(sock: zmq.Socket, seen: list[str]) -> None:
     sock.send_multipart([identity, encode(setup)])
     while seen[-1] != WorkerHello.__name__ and sock.poll(10_000):
         seen.append(type(worker_decoder.decode(sock.recv_multipart()[1])).__name__)
+        if seen.count("Heartbeat") >= BEATS_WHILE_LOADING:
+            beats.set()
     sock.send_multipart([identity, encode(Shutdown())])
 
 
 def test_heartbeats_continue_while_the_model_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    beats = threading.Event()
+    heard: list[bool] = []
+
     def slow_setup(self: WorkerDaemon, setup: WorkerSetup) -> WorkerHello:
-        time.sleep(LOAD_S)  # a checkpoint that takes a while to load
+        # A checkpoint that takes a while to load: until the scheduler got heartbeats.
+        heard.append(beats.wait(SAFETY_S))
         return WorkerHello(
             rank=self.rank,
             pid=0,
@@ -57,7 +65,7 @@ def test_heartbeats_continue_while_the_model_loads(
     endpoint = f"ipc://{tmp_path}/workers.sock"
     sock.bind(endpoint)
     seen: list[str] = []
-    scheduler = threading.Thread(target=_fake_scheduler, args=(sock, seen))
+    scheduler = threading.Thread(target=_fake_scheduler, args=(sock, seen, beats))
     scheduler.start()
     try:
         assert WorkerDaemon(0, endpoint, "cpu").run() == 0  # left on the Shutdown
@@ -65,6 +73,7 @@ def test_heartbeats_continue_while_the_model_loads(
         scheduler.join(20)
         sock.close(linger=0)
         ctx.term()
+    assert heard == [True], "no heartbeats reached the scheduler while the model loaded"
     assert seen[0] == WorkerJoin.__name__ and seen[-1] == WorkerHello.__name__
-    beats = seen[1:-1]
-    assert len(beats) >= 2 and set(beats) == {"Heartbeat"}, seen
+    between = seen[1:-1]
+    assert len(between) >= BEATS_WHILE_LOADING and set(between) == {"Heartbeat"}, seen
