@@ -1,5 +1,6 @@
 """Device functions shared by the attention kernels: finding a program's sequence in a
-launch, and one online-softmax step over a tile of a sequence's paged keys."""
+launch, one online-softmax step over a tile of a sequence's paged keys, and the loop of
+those steps over a range of keys."""
 
 # Triton kernel parameters stay unannotated: Triton reads annotations for specialisation.
 # ruff: noqa: ANN001, ANN201
@@ -109,3 +110,63 @@ def attend_key_tile(
     else:
         acc += tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_key_range(
+    first_key,
+    min_key,
+    end,
+    q,
+    q_pos,
+    row_ok,
+    m_i,
+    l_i,
+    acc,
+    table,
+    bt_s1,
+    key_cache_ptr,
+    value_cache_ptr,
+    kc_s0,
+    kc_s1,
+    kc_s2,
+    kc_s3,
+    vc_s0,
+    vc_s1,
+    vc_s2,
+    vc_s3,
+    kv_head,
+    dims,
+    dim_ok,
+    scale,
+    window,
+    softcap,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    INTERPRETER_LOOP: tl.constexpr,
+):
+    # attend_key_tile over the key tiles from first_key up to end (keys below min_key
+    # and from end on masked); returns the updated (m_i, l_i, acc).
+    if INTERPRETER_LOOP:
+        # Older Triton interpreters cannot take a runtime tensor as a range() bound.
+        start_n = first_key
+        while start_n < end:
+            m_i, l_i, acc = attend_key_tile(
+                start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
+            )  # fmt: skip
+            start_n += TILE_N
+    else:
+        for start_n in range(first_key, end, TILE_N):
+            m_i, l_i, acc = attend_key_tile(
+                start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
+            )  # fmt: skip
+    return m_i, l_i, acc

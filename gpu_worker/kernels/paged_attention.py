@@ -25,7 +25,7 @@ from gpu_worker.kernels.attention_schedule import (
     kernel_constexprs,
     plan_attention,
 )
-from gpu_worker.kernels.attention_tile import attend_key_tile, find_slot
+from gpu_worker.kernels.attention_tile import attend_key_range, find_slot
 from gpu_worker.kernels.cpu_attention import (
     check_attention_args,
     check_window_softcap,
@@ -141,25 +141,12 @@ def _paged_attention_kernel(
         min_key = tl.maximum(context + tile_q0 - window + 1, 0)
         first_key = min_key // TILE_N * TILE_N
     table = block_tables_ptr + seq.to(tl.int64) * bt_s0
-    if INTERPRETER_LOOP:
-        # Older Triton interpreters cannot take a runtime tensor as a range() bound.
-        start_n = first_key
-        while start_n < num_keys:
-            m_i, l_i, acc = attend_key_tile(
-                start_n, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
-                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
-            )  # fmt: skip
-            start_n += TILE_N
-    else:
-        for start_n in range(first_key, num_keys, TILE_N):
-            m_i, l_i, acc = attend_key_tile(
-                start_n, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
-                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
-            )  # fmt: skip
+    m_i, l_i, acc = attend_key_range(
+        first_key, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+        key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+        vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, INTERPRETER_LOOP,
+    )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels.attention_schedule import NUM_WARPS, REDUCE, SPLIT, kernel_constexprs
-from gpu_worker.kernels.attention_tile import attend_key_tile, find_slot
+from gpu_worker.kernels.attention_tile import attend_key_range, find_slot
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.attention_schedule import AttentionSchedule, SplitLaunch
@@ -134,24 +134,12 @@ def _split_kv_partial_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_s0
-    if INTERPRETER_LOOP:
-        start_n = start
-        while start_n < end:
-            m_i, l_i, acc = attend_key_tile(
-                start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
-                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
-            )  # fmt: skip
-            start_n += TILE_N
-    else:
-        for start_n in range(start, end, TILE_N):
-            m_i, l_i, acc = attend_key_tile(
-                start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
-                key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
-            )  # fmt: skip
+    m_i, l_i, acc = attend_key_range(
+        start, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
+        key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+        vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
+        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, INTERPRETER_LOOP,
+    )  # fmt: skip
 
     ws_row = part.to(tl.int64) * num_heads + head
     tl.store(max_ptr + ws_row, m_i, mask=row_ok)
