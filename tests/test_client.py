@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 import zmq.asyncio
+from blocking import SAFETY_S, in_thread
 
 from ipc.client import AsyncClient, Client, ClientCompletion
 from ipc.errors import (
@@ -59,10 +60,6 @@ from ipc.schema import (
 from shared.errors import InvalidRequestError
 from shared.outputs import Completion as WireCompletion
 from shared.outputs import CompletionSample
-
-SAFETY_S = 30.0
-"""How long a test waits for something before it fails: a safety net against a hang,
-never a measure of speed."""
 
 Replies = list[tuple[float, ServerMessage]]
 """What the fake server answers to one frame: (delay in seconds, message) pairs."""
@@ -217,28 +214,6 @@ async def until(condition: Callable[[], object], what: str) -> None:
         if loop.time() > deadline:
             pytest.fail(f"{what}: not within {SAFETY_S:g} s")
         await asyncio.sleep(0.005)
-
-
-def in_thread(call: Callable[[], T]) -> T:
-    """``call()`` in a daemon thread (for blocking calls of the sync Client); fails the
-    test if it has not returned after SAFETY_S instead of hanging the suite."""
-    outcome: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    if thread.is_alive():
-        pytest.fail(f"still blocked after {SAFETY_S:g} s")
-    if errors:
-        raise errors[0]
-    return outcome[0]
 
 
 def finish_after_pings(count: int) -> Handler:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from blocking import SAFETY_S, in_thread
 
 from scheduler_svc import sdnotify
 
@@ -41,33 +41,6 @@ class Receiver:
             return messages
         finally:
             self.sock.settimeout(timeout)
-
-
-SAFETY_S = 30.0
-"""How long a test waits for something that should happen at once before it fails
-(a safety net, not a measure of speed)."""
-
-
-def _in_thread(call: Callable[[], T]) -> T:
-    """``call()``, run in a daemon thread; fails the test if it has not returned after
-    SAFETY_S (so a call blocked for good fails the test instead of hanging it)."""
-    outcome: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    if thread.is_alive():
-        pytest.fail(f"still blocked after {SAFETY_S:g} s")
-    if errors:
-        raise errors[0]
-    return outcome[0]
 
 
 def _bound_socket(address: str) -> socket.socket:
@@ -203,7 +176,7 @@ def test_full_queue_neither_blocks_for_good_nor_raises(
     the calls run in a thread that the test only waits on for SAFETY_S."""
     monkeypatch.setattr(sdnotify, "SEND_TIMEOUT_S", 0.05)
     _fill_queue(os.environ["NOTIFY_SOCKET"])
-    assert _in_thread(lambda: sdnotify.notify("READY=1")) is False
+    assert in_thread(lambda: sdnotify.notify("READY=1")) is False
 
     checks = 0
 
@@ -224,7 +197,7 @@ def test_full_queue_neither_blocks_for_good_nor_raises(
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    _in_thread(lambda: asyncio.run(main()))
+    in_thread(lambda: asyncio.run(main()))
     assert checks >= 5
     queued = receiver.drain()
     assert queued and set(queued) == {"X=1"}  # the pings were dropped, not queued
