@@ -84,7 +84,7 @@ class SequenceEnding:
             request.finish_reason = reason
             del self.requests[request.request_id]
             for index in range(request.params.n):
-                del self.seq_ids_taken[request.seq_id(index)]
+                self.seq_ids_taken.remove(request.seq_id(index))
             self.fair_share.depart(self.order.priority_term(request), request.client)
             self.finished_counts[reason.value] += 1
             if outcome is not None:

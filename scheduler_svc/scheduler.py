@@ -107,9 +107,9 @@ class Scheduler(SequenceEnding):
         """Unfinished requests by id."""
         self.seqs: dict[str, Sequence] = {}
         """Unfinished sequences by id."""
-        self.seq_ids_taken: dict[str, str] = {}
-        """Every sequence id of an unfinished request, forked or still to fork, and its
-        request's id: a new request may take none of them."""
+        self.seq_ids_taken: set[str] = set()
+        """Every sequence id of an unfinished request, forked or still to fork: a new
+        request may take none of them."""
 
         self.step = 0
         """Index of the next step to schedule."""
@@ -154,7 +154,7 @@ class Scheduler(SequenceEnding):
         request.seqs.append(seq)
         self.requests[request_id] = request
         for index in range(params.n):
-            self.seq_ids_taken[request.seq_id(index)] = request_id
+            self.seq_ids_taken.add(request.seq_id(index))
         self.seqs[seq.seq_id] = seq
         self.waiting.push(seq)
         return request

@@ -69,7 +69,7 @@ def test_a_request_id_naming_a_sample_still_to_fork_is_refused() -> None:
     h.add("y", 5, max_tokens=2, n=2)
     h.run()
     h.assert_reference_outputs()
-    assert h.sched.seq_ids_taken == {}
+    assert h.sched.seq_ids_taken == set()
 
 
 def test_the_watermark_lowers_the_largest_request_accepted() -> None:
