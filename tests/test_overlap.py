@@ -306,3 +306,21 @@ def test_a_result_that_arrives_before_a_loss_is_dropped_with_the_cache() -> None
     worker.state.seqs.clear()  # a fresh worker
     run(engine)
     assert outputs(sched, [request])["r"] == model.reference_output("r", 0, 6, request.params, 128)
+
+
+def test_nothing_is_planned_past_a_step_that_forks() -> None:
+    """The samples of an n>1 request exist only once the step that forks them is back:
+    no step is planned on top of it, while a step without forks has one planned on top."""
+    sched, worker, model = make()
+    add(sched, model, "solo", 5, max_tokens=6, ignore_eos=True)
+    first = sched.schedule()
+    assert first is not None and sched.can_plan_ahead()  # no fork: plan ahead
+    add(sched, model, "pair", 5, max_tokens=6, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    second = sched.schedule()
+    assert second is not None and second.num_samples == {"pair/0": 2}  # it forks
+    assert not sched.can_plan_ahead()
+    sched.update(worker.execute(first))
+    assert not sched.can_plan_ahead()  # the forking step is still out
+    sched.update(worker.execute(second))
+    assert sched.can_plan_ahead()
+    assert {"pair/0", "pair/1"} <= set(sched.seqs)
