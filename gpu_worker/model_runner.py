@@ -24,6 +24,7 @@ from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.event_clock import EventClock
 from gpu_worker.kernels import AttentionSchedule, plan_attention, use_triton, warm_up
+from gpu_worker.kernels.attention_schedule import split_decodes
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.sampler import Sampler, sample_key
@@ -227,14 +228,25 @@ class ModelRunner:
         replay for a decode-only step that fits one, else an eager forward."""
         arrays = inputs.host_arrays(self.block_size)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
-        schedule = self.plan_attention(arrays) if use_triton(cache.kv) else None
-        # A step with split-KV decodes runs eagerly: a graph's launches are fixed.
-        split = schedule is not None and schedule.split is not None
-        if self.graphs is not None and cache is self.kv_cache and not split:
+        # A step with split-KV decodes runs eagerly (a graph's launches are fixed); the
+        # host-side check spares a graph's step the schedule it would not use.
+        if self.graphs is not None and cache is self.kv_cache and not self._splits(arrays):
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return hidden
+        schedule = self.plan_attention(arrays) if use_triton(cache.kv) else None
         return self._run_model(self.staging.to_device(arrays), cache, reuse, schedule)
+
+    def _splits(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Whether the step's schedule would take split-KV decodes on this GPU."""
+        return bool(
+            split_decodes(
+                np.diff(arrays["query_start_loc"]),
+                arrays["seq_lens"],
+                num_kv_heads=self.layout.num_kv_heads,
+                num_sms=torch.cuda.get_device_properties(self.device).multi_processor_count,
+            ).any()
+        )
 
     def plan_attention(
         self, arrays: dict[str, np.ndarray], num_sms: int | None = None
