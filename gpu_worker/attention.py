@@ -54,6 +54,7 @@ __all__ = [
     "DecodeReuse",
     "GroupBuffers",
     "StepMetadata",
+    "attend",
     "attend_cpu",
     "expeditor_attention",
     "plan_cpu_step",
@@ -128,34 +129,27 @@ def attend_cpu(
     return torch.zeros_like(query) if out is None else out
 
 
-def expeditor_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """query [1, heads, tokens, head_dim], key/value [1, kv_heads, tokens, head_dim]."""
-    meta: StepMetadata | None = kwargs.get("expeditor_meta")
-    if meta is None:
-        raise RuntimeError("expeditor attention called without expeditor_meta")
-    key_cache, value_cache = meta.layer_caches[module.layer_idx]  # type: ignore[index]
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    window: int | None = kwargs.get("sliding_window") or None
-    softcap: float | None = kwargs.get("softcap") or None
+def attend(
+    meta: StepMetadata,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer's attention over the paged cache: store the step's new K/V, then attend.
+    ``q`` [tokens, heads, head_dim], ``k``/``v`` [tokens, kv_heads, head_dim] (views
+    will do) -> [tokens, heads, head_dim]."""
+    key_cache, value_cache = meta.layer_caches[layer]
     plan = meta.cpu_plan
     paged = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
     if plan is None and use_triton(q, key_cache):
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = paged_attention(
+        return paged_attention(
             *paged, scaling, window=window, softcap=softcap, schedule=meta.attention_schedule
         )
-        return out.unsqueeze(0), None
     if plan is None:
         check_attention_args(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc
@@ -171,11 +165,32 @@ def expeditor_attention(
             key_cache.index_put_(plan.store_index, k.index_select(0, plan.store_tokens))
             value_cache.index_put_(plan.store_index, v.index_select(0, plan.store_tokens))
     if window is not None or softcap is not None:
-        out = paged_attention_cpu(*paged, scaling, window=window, softcap=softcap)
-        return out.unsqueeze(0), None
-    layer = module.layer_idx  # type: ignore[assignment]
-    out = attend_cpu(plan, q, key_cache, value_cache, scaling, layer, k, v)  # type: ignore[arg-type]
-    return out.unsqueeze(0), None
+        return paged_attention_cpu(*paged, scaling, window=window, softcap=softcap)
+    return attend_cpu(plan, q, key_cache, value_cache, scaling, layer, k, v)
+
+
+def expeditor_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over :func:`attend`: query [1, heads, tokens,
+    head_dim], key/value [1, kv_heads, tokens, head_dim]."""
+    meta: StepMetadata | None = kwargs.get("expeditor_meta")
+    if meta is None:
+        raise RuntimeError("expeditor attention called without expeditor_meta")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    window: int | None = kwargs.get("sliding_window") or None
+    softcap: float | None = kwargs.get("softcap") or None
+    return attend(meta, layer, q, k, v, scaling, window, softcap).unsqueeze(0), None
 
 
 def register() -> str:

@@ -265,8 +265,10 @@ class WorkerDaemon:
             max_num_seqs=setup.max_num_seqs,
             max_model_len=setup.max_model_len,
             cuda_graphs=setup.cuda_graphs,
+            model_impl=setup.model_impl,
             group=group,
         )
+        log.info("rank %d: forward: %s", self.rank, self.runner.model_impl_note)
         if setup.swap_pool:
             self._attach(setup.swap_pool)
         if self.device.type == "cpu" and self.group_size > 1:

@@ -55,6 +55,7 @@ class LLM:
         dtype: torch.dtype | None = None,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
+        model_impl: str = "auto",
         **scheduler_config: Any,
     ) -> None:
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -76,6 +77,7 @@ class LLM:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             cuda_graphs=cuda_graphs,
+            model_impl=model_impl,
             dtype=dtype,
         )
         self.swap_pool: SwapPoolSegment | None = None

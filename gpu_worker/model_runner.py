@@ -26,6 +26,7 @@ from gpu_worker.event_clock import EventClock
 from gpu_worker.kernels import AttentionSchedule, plan_attention, use_triton, warm_up
 from gpu_worker.kernels.attention_schedule import split_decodes
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
+from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
@@ -35,6 +36,10 @@ from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
+
+MODEL_IMPLS = ("auto", "transformers")
+"""``model_impl`` values: ``auto`` the lean forward where one applies, ``transformers``
+transformers' own model code."""
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -78,6 +83,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         cuda_graphs: bool = False,
+        model_impl: str = "auto",
         dtype: torch.dtype | None = None,
         swap_pool: SwapPoolSegment | None = None,
         group: ProcessGroup | None = None,
@@ -86,7 +92,14 @@ class ModelRunner:
         it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads.
         ``cuda_graphs``: capture decode-only steps (:mod:`gpu_worker.cuda_graphs`) for
         up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (default: the
-        checkpoint's ``max_position_embeddings``); CUDA only, ignored elsewhere."""
+        checkpoint's ``max_position_embeddings``); CUDA only, ignored elsewhere.
+        ``model_impl``: ``auto`` runs a CPU worker of one rank through
+        :class:`~gpu_worker.lean_model.LeanDecoder` where the architecture has one,
+        ``transformers`` always through transformers' model code."""
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}"
+            )
         self.device = device
         self.block_size = block_size
         config = AutoConfig.from_pretrained(model_dir)
@@ -105,6 +118,21 @@ class ModelRunner:
         if world > 1:
             shard_model(self.model, config, dist.get_rank(group), world, group)
         self.group = group
+        self.lean: LeanDecoder | None = None
+        """The lean forward, when this worker runs one (else transformers' forward)."""
+        self.model_impl_note = "transformers (model_impl=transformers)"
+        """Which forward runs, and why (the worker logs it)."""
+        if model_impl == "auto":
+            reason = why_not_lean(self.model, config)
+            if device.type != "cpu":
+                reason = f"device {device.type} (lean: CPU workers)"
+            elif world > 1:
+                reason = "tensor parallelism (lean: one rank)"
+            if reason is None:
+                self.lean = LeanDecoder(self.model, config)
+                self.model_impl_note = "lean"
+            else:
+                self.model_impl_note = f"transformers ({reason})"
         self.logits = logits_fn(self.model, config)
         """hidden rows -> logits, as the checkpoint's own head computes them."""
         head_dim = getattr(config, "head_dim", None) or (
@@ -283,6 +311,8 @@ class ModelRunner:
             reuse=reuse,
             attention_schedule=schedule,
         )
+        if self.lean is not None:
+            return self.lean(tensors["input_ids"], tensors["positions"], meta)
         out = self.model.model(
             input_ids=tensors["input_ids"][None],
             position_ids=tensors["positions"][None],

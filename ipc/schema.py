@@ -335,6 +335,9 @@ class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_fi
     width."""
     cuda_graphs: bool = True
     """Capture decode-only steps as CUDA graphs (CUDA only)."""
+    model_impl: str = "auto"
+    """The forward: ``auto`` (the lean one on a CPU worker where it applies) or
+    ``transformers``."""
     dist_master_addr: str = ""
     dist_master_port: int = 0
     """The group's rendezvous (rank 0 listens there), when tensor_parallel_size > 1."""

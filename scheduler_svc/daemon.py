@@ -263,6 +263,7 @@ class SchedulerDaemon:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
             cuda_graphs=self.server.cuda_graphs,
+            model_impl=self.server.model_impl,
             dist_master_addr=self.server.dist_master_addr,
             dist_master_port=self.dist_port,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta
 
@@ -118,6 +118,15 @@ class ServerConfig(Settings, frozen=True):
             "Ignored off CUDA.",
         ),
     ] = True
+    model_impl: Annotated[
+        Literal["auto", "transformers"],
+        Meta(
+            description="The workers' forward: auto = a CPU worker of one rank runs "
+            "expeditor's lean forward for llama, mistral, qwen2 and qwen3 checkpoints (the "
+            "same function in fewer operations) and transformers' model code otherwise; "
+            "transformers = transformers' model code always.",
+        ),
+    ] = "auto"
     client_timeout_s: Annotated[
         float, _seconds("A client silent this long while it has requests is gone: abort them.")
     ] = 10.0
