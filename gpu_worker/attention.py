@@ -46,6 +46,12 @@ from gpu_worker.cpu_plan import (
 )
 from gpu_worker.kernels import paged_attention, store_kv, use_triton
 from gpu_worker.kernels.cpu_attention import check_attention_args, paged_attention_cpu
+from gpu_worker.kernels.cpu_native import (
+    check_step,
+    native_kernels,
+    plan_native_step,
+    supports,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -150,6 +156,31 @@ def attend(
         return paged_attention(
             *paged, scaling, window=window, softcap=softcap, schedule=meta.attention_schedule
         )
+    native = native_kernels() if plan is None else None
+    if native is not None and supports(q, key_cache, value_cache):
+        step = meta.native_step
+        if step is None:
+            check_attention_args(*paged)
+            check_step(
+                q,
+                key_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.slot_mapping,
+            )
+            step = meta.native_step = plan_native_step(
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                key_cache.shape[1],
+                q.shape[0],
+            )
+        if k.dtype == key_cache.dtype and k.stride(2) == 1 and v.stride(2) == 1:
+            native.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        else:
+            store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        return step.attend(native, q, k, v, *paged[1:], scaling, window or 0, softcap or 0.0)
     if plan is None:
         check_attention_args(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc

@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker.kernels.attention_schedule import AttentionSchedule
 from gpu_worker.kernels.cpu_attention import SCRATCH, group_sequences
+from gpu_worker.kernels.cpu_native import NativeStep
 
 _FOLD_MAX_Q = 16
 """Groups with at most this many query rows per sequence fold their GQA heads."""
@@ -134,6 +135,9 @@ class StepMetadata:
     """Built by the first layer of a step off the Triton path."""
     reuse: DecodeReuse | None = None
     """The worker's state across steps (None: every step gathers)."""
+    native_step: NativeStep | None = None
+    """The native CPU kernel's split of the step, made (and its indices checked) by the
+    first layer."""
     attention_schedule: AttentionSchedule | None = None
     """The Triton path's launches, planned once per step on the host (None: each
     layer plans its own, reading the lengths back from the device)."""

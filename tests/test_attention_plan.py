@@ -21,6 +21,12 @@ from gpu_worker.kernels import paged_attention_cpu, paged_attention_ref, store_k
 NUM_LAYERS = 2
 
 
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the torch path's plan: the native kernel stays out."""
+    monkeypatch.setenv("EXPEDITOR_NATIVE_CPU", "0")
+
+
 def make_step(
     seqs: list[tuple[int, int]],
     num_kv_heads: int,

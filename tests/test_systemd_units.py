@@ -223,6 +223,7 @@ def test_example_config_parses() -> None:
         "cpu_threads": 0,
         "gpu_memory_utilization": 0.9,
         "cuda_graphs": True,
+        "model_impl": "auto",
         "client_timeout_s": 10.0,
         "worker_timeout_s": 5.0,
         "worker_wait_s": 60.0,
