@@ -98,7 +98,7 @@ class ServerConfig(Settings, frozen=True):
         Meta(
             ge=0,
             description="Torch threads of a CPU worker; 0 = chosen at start-up by timing a "
-            "decode forward: every core if that is at least 1.4x faster than all but one, "
+            "decode forward: every core if that is at least 1.15x faster than all but one, "
             "else all but one (a core for the scheduler).",
         ),
     ] = 0

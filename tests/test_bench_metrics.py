@@ -232,5 +232,11 @@ def test_the_expeditor_target_takes_serve_settings_in_its_brackets() -> None:
     assert spec.overrides == {"max_num_seqs": 8}
     config = target_config(make_workload("skewed", 4, 0), {}, spec)
     assert config["serve"] == {"tensor_parallel_size": 2} and config["max_num_seqs"] == 8
+    spec = parse_target("expeditor[cpu_threads=1,model_impl=transformers,cuda_graphs=false]")
+    assert target_config(skewed(4), {}, spec)["serve"] == {
+        "cpu_threads": 1,
+        "model_impl": "transformers",
+        "cuda_graphs": False,
+    }
     with pytest.raises(ValueError, match="scheduler config key"):
         parse_target("static[tensor_parallel_size=2]")  # only serve takes it

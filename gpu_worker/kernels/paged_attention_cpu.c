@@ -25,6 +25,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
 
 #define MAX_VECTORS 16   /* query vectors attended together */
 #define MAX_HEAD_DIM 256
@@ -52,6 +58,159 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f * below;
 }
 
+#if HAVE_AVX2
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once. */
+static inline __m256 sum8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                         _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* exp_nonpositive on eight lanes. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.0f);
+    const __m256 below = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, floor_x);
+    const __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+/* scores[r][j] = q[r] . k_j for the block's first n_slots keys (rows key_row apart). */
+static inline __attribute__((always_inline)) void block_scores(
+    const float *qv, int64_t nv, const float *kb, int64_t key_row, int64_t n_slots,
+    const int64_t head_dim, float *scores, int64_t score_row) {
+    int64_t j0 = 0;
+#if HAVE_AVX2
+    if (head_dim % 8 == 0)
+        for (; j0 + 8 <= n_slots; j0 += 8)
+            for (int64_t r = 0; r < nv; r++) {
+                const float *qr = qv + r * head_dim;
+                __m256 a[8];
+                for (int t = 0; t < 8; t++) {
+                    const float *k = kb + (j0 + t) * key_row;
+                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(k));
+                    for (int64_t d = 8; d < head_dim; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(k + d), acc);
+                    a[t] = acc;
+                }
+                _mm256_storeu_ps(scores + r * score_row + j0, sum8(a));
+            }
+#endif
+    for (int64_t j = j0; j < n_slots; j++) {
+        const float *k = kb + j * key_row;
+        for (int64_t r = 0; r < nv; r++) {
+            const float *qr = qv + r * head_dim;
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t d = 0;
+            for (; d + 8 <= head_dim; d += 8)
+                for (int t = 0; t < 8; t++) lanes[t] += qr[d + t] * k[d + t];
+            float x = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                      ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            for (; d < head_dim; d++) x += qr[d] * k[d];
+            scores[r * score_row + j] = x;
+        }
+    }
+}
+
+/* x[j] = exp(x[j] - top) for j < n; returns their sum. */
+static inline float exp_shifted(float *x, int64_t n, float top) {
+    int64_t j = 0;
+    float total = 0.0f;
+#if HAVE_AVX2
+    __m256 sums = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(top);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
+        _mm256_storeu_ps(x + j, p);
+        sums = _mm256_add_ps(sums, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+            ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+#endif
+    for (; j < n; j++) {
+        x[j] = exp_nonpositive(x[j] - top);
+        total += x[j];
+    }
+    return total;
+}
+
+/* The largest of x[0 .. n). */
+static inline float block_max(const float *x, int64_t n) {
+    int64_t j = 0;
+    float top = -INFINITY;
+#if HAVE_AVX2
+    if (n >= 8) {
+        __m256 m = _mm256_loadu_ps(x);
+        for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int t = 0; t < 8; t++) top = lanes[t] > top ? lanes[t] : top;
+    }
+#endif
+    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
+/* acc[r] += sum_j p[r][j] * v_j over the block's first n_slots values. */
+static inline __attribute__((always_inline)) void block_values(
+    float *acc, int64_t nv, const float *vb, int64_t key_row, int64_t n_slots,
+    const int64_t head_dim, const float *p, int64_t p_row) {
+#if HAVE_AVX2
+    if (head_dim % 8 == 0) {
+        /* 64 columns at a time, and as many query vectors as keep eight independent
+         * accumulators in registers (one chain per vector would wait on each FMA). Rows
+         * past nv (up to a multiple of the group) are the caller's zeroed spares. */
+        for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
+            const int64_t lanes = head_dim - c0 < 64 ? (head_dim - c0) / 8 : 8;
+            const int64_t group = 8 / lanes;
+            for (int64_t r0 = 0; r0 < nv; r0 += group) {
+                __m256 a[8];
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t c = 0; c < lanes; c++)
+                        a[g * lanes + c] = _mm256_loadu_ps(acc + (r0 + g) * head_dim + c0 + 8 * c);
+                for (int64_t j = 0; j < n_slots; j++) {
+                    const float *v = vb + j * key_row + c0;
+                    __m256 vv[8];
+                    for (int64_t c = 0; c < lanes; c++) vv[c] = _mm256_loadu_ps(v + 8 * c);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m256 w = _mm256_set1_ps(p[(r0 + g) * p_row + j]);
+                        for (int64_t c = 0; c < lanes; c++)
+                            a[g * lanes + c] = _mm256_fmadd_ps(w, vv[c], a[g * lanes + c]);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t c = 0; c < lanes; c++)
+                        _mm256_storeu_ps(acc + (r0 + g) * head_dim + c0 + 8 * c, a[g * lanes + c]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n_slots; j++) {
+        const float *v = vb + j * key_row;
+        for (int64_t r = 0; r < nv; r++) {
+            const float w = p[r * p_row + j];
+            for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] += w * v[d];
+        }
+    }
+}
+
 /* One sequence's query vectors v0 .. v0 + nv of KV head kv; head_dim is a constant in
  * the specialised copies below (the compiler then unrolls the head_dim loops). */
 static inline __attribute__((always_inline)) void attend_vectors(
@@ -70,6 +229,9 @@ static inline __attribute__((always_inline)) void attend_vectors(
     float run_max[MAX_VECTORS], run_sum[MAX_VECTORS];
     int64_t row_pos[MAX_VECTORS];
     int64_t lo = INT64_MAX, hi = -1, low_pos = INT64_MAX;
+    /* Spare rows past nv: block_values may run them (zero weights into zero sums). */
+    memset(acc_buf + nv * head_dim, 0, sizeof(float) * (MAX_VECTORS - nv) * head_dim);
+    memset(scores_buf + nv * block_size, 0, sizeof(float) * (MAX_VECTORS - nv) * block_size);
     for (int64_t r = 0; r < nv; r++) {
         const int64_t vec = v0 + r, row = vec / per_kv;
         const int64_t head = kv * per_kv + vec % per_kv;
@@ -91,19 +253,14 @@ static inline __attribute__((always_inline)) void attend_vectors(
         const int64_t block = table[b];
         const float *kb = key_cache + block * block_stride + kv * head_dim;
         const float *vb = value_cache + block * block_stride + kv * head_dim;
-        for (int64_t j = 0; j < n_slots; j++) {
-            const float *k = kb + j * key_row;
-            for (int64_t r = 0; r < nv; r++) {
-                float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                int64_t d = 0;
-                for (; d + 8 <= head_dim; d += 8)
-                    for (int t = 0; t < 8; t++) lanes[t] += qv[r][d + t] * k[d + t];
-                float x = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                          ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-                for (; d < head_dim; d++) x += qv[r][d] * k[d];
-                scores[r][j] = x;
+        if ((b + 1) * block_size <= hi) { /* the next block is a jump: fetch it early */
+            const int64_t next = table[b + 1] * block_stride + kv * head_dim;
+            for (int64_t j = 0; j < block_size; j++) {
+                __builtin_prefetch(key_cache + next + j * key_row);
+                __builtin_prefetch(value_cache + next + j * key_row);
             }
         }
+        block_scores(qv_buf, nv, kb, key_row, n_slots, head_dim, scores_buf, block_size);
         if (softcap > 0.0f)
             for (int64_t r = 0; r < nv; r++)
                 for (int64_t j = 0; j < n_slots; j++)
@@ -118,36 +275,22 @@ static inline __attribute__((always_inline)) void attend_vectors(
                         scores[r][j] = -INFINITY;
                 }
         for (int64_t r = 0; r < nv; r++) {
-            float top = -INFINITY;
-            for (int64_t j = 0; j < n_slots; j++) top = scores[r][j] > top ? scores[r][j] : top;
+            const float top = block_max(scores[r], n_slots);
             if (top == -INFINITY) {
                 for (int64_t j = 0; j < n_slots; j++) scores[r][j] = 0.0f;
                 continue;
             }
             const float new_max = top > run_max[r] ? top : run_max[r];
-            const float alpha =
-                run_max[r] == -INFINITY ? 0.0f : exp_nonpositive(run_max[r] - new_max);
+            const float alpha = run_max[r] == -INFINITY ? 0.0f
+                                : new_max == run_max[r] ? 1.0f
+                                                        : exp_nonpositive(run_max[r] - new_max);
             run_max[r] = new_max;
-            for (int64_t j = 0; j < n_slots; j++)
-                scores[r][j] = exp_nonpositive(scores[r][j] - new_max);
-            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t j = 0;
-            for (; j + 8 <= n_slots; j += 8)
-                for (int t = 0; t < 8; t++) lanes[t] += scores[r][j + t];
-            float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                          ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            for (; j < n_slots; j++) total += scores[r][j];
+            const float total = exp_shifted(scores[r], n_slots, new_max);
             run_sum[r] = run_sum[r] * alpha + total;
             if (alpha != 1.0f)
                 for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
         }
-        for (int64_t j = 0; j < n_slots; j++) {
-            const float *v = vb + j * key_row;
-            for (int64_t r = 0; r < nv; r++) {
-                const float p = scores[r][j];
-                for (int64_t d = 0; d < head_dim; d++) acc[r][d] += p * v[d];
-            }
-        }
+        block_values(acc_buf, nv, vb, key_row, n_slots, head_dim, scores_buf, block_size);
     }
     for (int64_t r = 0; r < nv; r++) {
         const int64_t vec = v0 + r, row = vec / per_kv;
