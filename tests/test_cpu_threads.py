@@ -34,7 +34,8 @@ def test_decode_inputs_fit_the_cache(runner: ModelRunner) -> None:
 
 
 @pytest.mark.parametrize(
-    ("spare_ms", "all_ms", "chosen"), [(10.0, 5.0, 4), (10.0, 9.0, 3), (10.0, 7.5, 3)]
+    ("spare_ms", "all_ms", "chosen"),
+    [(10.0, 5.0, 4), (10.0, 9.0, 3), (10.0, 8.5, 4), (10.0, 8.8, 3)],
 )
 def test_every_core_only_when_clearly_faster(
     runner: ModelRunner,
