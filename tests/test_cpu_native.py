@@ -381,6 +381,27 @@ def test_failing_compiler_leaves_no_files(tmp_path: Path, monkeypatch: pytest.Mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_hung_compiler_is_a_failed_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = cpu_native.subprocess.run
+
+    def hanging(cmd: list[str], **kwargs: object) -> object:
+        if cmd[1:] == ["--version"]:
+            return run(cmd, **kwargs)  # type: ignore[call-overload]
+        raise cpu_native.subprocess.TimeoutExpired(cmd, 300)
+
+    monkeypatch.setattr(cpu_native.subprocess, "run", hanging)
+    with pytest.raises(RuntimeError, match="did not run"):
+        cpu_native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_builds_are_kept_per_kind_of_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = cpu_native.build(tmp_path)
+    monkeypatch.setattr(cpu_native, "_cpu_id", lambda: b"model name : another cpu")
+    second = cpu_native.build(tmp_path)
+    assert second != first and {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_engine_greedy_is_the_same_either_way(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -107,6 +107,17 @@ def _version(compiler: str) -> str:
     return done.stdout
 
 
+def _cpu_id() -> bytes:
+    """What ``-march=native`` compiled for: the CPU's model and feature flags (a cache
+    directory shared by different machines keeps one build per kind of CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+
+
 def build(directory: Path | None = None) -> Path:
     """The compiled library's path, building it if this machine has none yet (raises
     ``RuntimeError`` saying why it cannot)."""
@@ -125,6 +136,7 @@ def build(directory: Path | None = None) -> Path:
                     " ".join(flags).encode(),
                     _version(compiler).encode(),
                     platform.machine().encode(),
+                    _cpu_id(),
                 ]
             )
         ).hexdigest()[:16]
@@ -135,13 +147,16 @@ def build(directory: Path | None = None) -> Path:
         fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
         os.close(fd)
         try:
-            done = subprocess.run(
-                [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
+            try:
+                done = subprocess.run(
+                    [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    check=False,
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise RuntimeError(f"{compiler} did not run: {exc}") from None
             if done.returncode == 0:
                 os.replace(partial, target)
                 return target
