@@ -17,7 +17,7 @@ Each operation is the one transformers runs (RMSNorm in float32 as
 residual adds), so the outputs agree up to float rounding of the fused matmuls; the
 oracle tests compare its greedy tokens with transformers'.
 
-Which checkpoints (:func:`lean_decoder` says why not, and the runner then keeps
+Which checkpoints (:func:`why_not_lean` says why not, and the runner then keeps
 transformers' forward): model types :data:`LEAN_TYPES` (Llama; Mistral's window on every
 layer; Qwen2's q/k/v biases and windowed layers; Qwen3's per-head q/k norms), SiLU MLPs,
 a rotary embedding whose frequencies do not depend on the sequence (not ``dynamic`` or
@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 
 from gpu_worker.attention import StepMetadata, attend
 
-__all__ = ["LEAN_TYPES", "LeanDecoder", "lean_decoder", "why_not_lean"]
+__all__ = ["LEAN_TYPES", "LeanDecoder", "why_not_lean"]
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose layers :class:`LeanDecoder` computes."""
@@ -210,10 +210,3 @@ class LeanDecoder:
             h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = x + F.linear(h, layer.down, layer.down_bias)
         return _rms_norm(x, self.norm)
-
-
-def lean_decoder(model: nn.Module, config: PretrainedConfig) -> LeanDecoder | None:
-    """The lean forward of ``model``, or None when :func:`why_not_lean` has a reason."""
-    if why_not_lean(model, config) is not None:
-        return None
-    return LeanDecoder(model, config)
