@@ -16,7 +16,7 @@ with soft-capping, which SDPA cannot apply, runs every sequence through the kern
 Build: the first worker on a machine compiles the source with the system C compiler
 (``$CC``, else ``cc``/``gcc``) into ``kernels/`` of expeditor's cache directory
 (:func:`cache_dir`: ``$EXPEDITOR_CACHE_DIR``, else ``~/.cache/expeditor``), named by a
-hash of the source, flags and compiler, so later workers load it in milliseconds; a
+hash of the source, flags, compiler and CPU, so later workers load it in milliseconds; a
 build is written under a temporary name and renamed, so concurrent workers never load
 half a file. No compiler, a failed build or ``EXPEDITOR_NATIVE_CPU=0`` leaves
 :func:`native_kernels` returning None, and the torch path runs instead (the worker logs
@@ -24,7 +24,8 @@ why once). Results equal the torch reference up to float rounding
 (tests/test_cpu_native.py).
 
 The kernel trusts its indices, so :func:`check_step` validates a step's metadata against
-the cache (block ids in range, lengths within the tables) before the first layer calls it.
+the cache (block ids in range, lengths within the tables, the index arrays' types and
+layout) before the first layer calls it.
 """
 
 from __future__ import annotations

@@ -12,15 +12,17 @@
  * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d; out likewise (o_tok, o_head);
  * the caches [blocks, block_size, kv_heads, head_dim], block_stride floats from one block
  * to the next and contiguous within a block (a layer's view of the worker's cache);
- * tables[s, j] (int32,
- * table_stride apart) the j-th block of sequence s; seq_lens[s] and query_start_loc
- * (int32) as the step's metadata has them; seqs[0 .. n_seqs) the sequences to compute
- * (int64 indices into them; the other sequences' output rows are left as they are).
+ * tables[s, j] (int32, table_stride apart) the j-th block of sequence s; seq_lens[s]
+ * and query_start_loc (int32) as the step's metadata has them; seqs[0 .. n_seqs) the
+ * sequences to compute (int64 indices into them; the other sequences' output rows are
+ * left as they are).
  *
- * The exponential is a polynomial the compiler vectorises (relative error about 2e-7,
- * like SDPA's vectorised exp); everything else is plain float arithmetic.
- * Returns 0, or -1 when the shapes are beyond the fixed scratch sizes below. The
- * caller checks the metadata (block ids, lengths) against the cache first.
+ * With AVX2 and FMA (x86, -march=native) the inner loops are written with intrinsics:
+ * eight dot products reduced together, a vectorised exponential (a polynomial, relative
+ * error about 2e-7, like SDPA's), value sums over eight independent accumulators; other
+ * machines run plain C loops of the same arithmetic. Returns 0, or -1 when the shapes
+ * are beyond the fixed limits below. The caller checks the metadata (block ids,
+ * lengths, index types) against the cache first.
  */
 #include <math.h>
 #include <stdint.h>
