@@ -6,8 +6,9 @@ transformers' own forward with its KV cache, same checkpoint, batch, dtype and t
 
 Checkpoint: ``--model DIR`` (default: the embedded tiny model); ``--model small`` is
 the tiny model's ``size="small"`` preset where this checkout has one. CPU, float32,
-``torch.set_num_threads(--threads)`` for both sides (default what a worker daemon
-uses: cores - 1).
+``torch.set_num_threads(--threads)`` for both sides (default cores - 1: what a worker
+daemon keeps unless its start-up timing shows every core clearly faster, as it does for
+the small preset on 2 cores; see gpu_worker/threads.py).
 
 Decode, per batch size B: B prompts of 64..512 tokens (uniform, seeded) go through
 the engine (``gpu_worker.engine.LLM``, greedy, ignore_eos, prefix caching off) until
