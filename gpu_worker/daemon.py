@@ -3,12 +3,14 @@
 Protocol (one DEALER socket): send WorkerJoin; receive WorkerSetup; load the model and
 size the KV cache; send WorkerHello; then for each BatchPlan send its StepResult.
 AttachSwapPool maps the scheduler's swap pool; Shutdown leaves with status 0. The model
-load and every plan run on one step thread, in the order they arrived, while this thread
-keeps sending heartbeats, so a slow load or a long step is never mistaken for a dead
-worker. A plan that arrives while another runs (overlapped scheduling) is queued to the
-step thread at once, which starts it the moment the step before ends; this thread sends
-each result as it is done (a pipe wakes it). A worker that cannot serve sends
-WorkerError and exits non-zero.
+load and every plan (decoded there too) run on one step thread, in the order they
+arrived, while this thread only moves frames and sends heartbeats, so a slow load, a
+long step or a huge plan is never mistaken for a dead worker. A plan that arrives while
+another runs (overlapped scheduling) is queued to the step thread at once, which starts
+it the moment the step before ends; this thread sends each result as it is done (a pipe
+wakes it). Shutdown with ``restart`` (the scheduler gave up on this worker) exits 3,
+which the supervisor and systemd restart. A worker that cannot serve sends WorkerError
+and exits non-zero.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from gpu_worker.model_runner import ModelRunner, resolve_device, use_device
 from ipc.curve import client_curve_options, endpoint_needs_curve
 from ipc.schema import (
     AttachSwapPool,
-    BatchPlan,
     Heartbeat,
     Shutdown,
     StepResult,
@@ -40,7 +41,9 @@ from ipc.schema import (
     WorkerJoin,
     WorkerSetup,
     control_decoder,
+    control_kind,
     encode,
+    plan_decoder,
 )
 from shared.errors import ConfigError
 from shared.procinfo import host_id, process_start_time
@@ -213,14 +216,17 @@ class WorkerDaemon:
                 except BlockingIOError:
                     pass
             while self.sock.poll(0):
+                frame = self.sock.recv()
                 try:
-                    message = control_decoder.decode(self.sock.recv())
+                    # A plan is decoded (and its sampling parameters validated) on the
+                    # step thread: however big, it never holds up the heartbeats.
+                    if control_kind(frame) == "plan":
+                        pending.append(self._queue(self._execute, frame))
+                        continue
+                    message = control_decoder.decode(frame)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     return self._fail(f"malformed control frame: {exc}")
-                if isinstance(message, BatchPlan):
-                    assert self.runner is not None
-                    pending.append(self._queue(self.runner.execute, message))
-                elif isinstance(message, AttachSwapPool):
+                if isinstance(message, AttachSwapPool):
                     pending.append(self._queue(self._attach, message.name))
                 elif isinstance(message, Shutdown):
                     if message.restart:
@@ -229,6 +235,10 @@ class WorkerDaemon:
                     log.info("rank %d: shutdown", self.rank)
                     return 0
         return 0
+
+    def _execute(self, frame: bytes) -> StepResult | None:
+        assert self.runner is not None
+        return self.runner.execute(plan_decoder.decode(frame))
 
     def _queue(self, task: Callable[[Any], Any], arg: object) -> Future[Any]:
         """Run ``task(arg)`` on the step thread after what is queued there."""

@@ -432,17 +432,20 @@ class ModelRunner:
         rows: list[int] = []
         params: list[SamplingParams] = []
         keys: list[int | None] = []
-        masked: list[list[int]] = []
+        masked: list[np.ndarray] = []
+        no_mask = np.empty(0, dtype=np.int64)
         owners: list[str] = []
         for index, item in enumerate(batch):
             if not item.num_samples:
                 continue
             seq = item.seq
             p = seq.sampling
-            banned: list[int] = []
+            banned = no_mask
             if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids)
-                banned.extend(self.eos_token_ids)
+                if seq.banned_ids is None:  # built once per sequence, not per step
+                    ids = np.unique(np.array([*p.stop_token_ids, *self.eos_token_ids]))
+                    seq.banned_ids = ids[(ids >= 0) & (ids < self.vocab_size)].astype(np.int64)
+                banned = seq.banned_ids
             for sample_index in item.sample_indices:
                 rows.append(inputs.query_start_loc[index + 1] - 1)
                 params.append(p)

@@ -131,7 +131,7 @@ class Sampler:
         logits: Tensor,
         params: Sequence[SamplingParams],
         keys: Sequence[int | None],
-        masked_token_ids: Sequence[Sequence[int]],
+        masked_token_ids: Sequence[Sequence[int] | np.ndarray],
     ) -> SampleOutput:
         """Sample one token for each row of ``logits`` (``[R, V]``, any float dtype).
 
@@ -152,7 +152,7 @@ class Sampler:
         staging = self._staging_for(logits.device)
         greedy = [p.temperature == 0 or p.top_k == 1 for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not want_logprobs and not any(masked_token_ids):
+        if all(greedy) and not want_logprobs and not any(len(m) for m in masked_token_ids):
             # All greedy, nothing masked, no logprobs: one argmax, one transfer.
             return SampleOutput(
                 token_ids=staging.to_host(logits.float().argmax(dim=-1)),
@@ -245,7 +245,7 @@ def _top_k_without_sort(x: Tensor, top_k: Tensor, widest: int) -> Tensor:
 def _host_arrays(
     params: Sequence[SamplingParams],
     keys: Sequence[int | None],
-    masked_token_ids: Sequence[Sequence[int]],
+    masked_token_ids: Sequence[Sequence[int] | np.ndarray],
     greedy: list[bool],
     vocab: int,
 ) -> dict[str, np.ndarray]:
@@ -265,16 +265,14 @@ def _host_arrays(
         "keys": np.array([keys[random_rows[i]] for i in keyed], dtype=np.int64),
     }
     arrays["top_k"] = arrays["top_k"].astype(np.int64)
-    rows: list[int] = []
-    cols: list[int] = []
-    for row, ids in enumerate(masked_token_ids):
-        for token in ids:
-            if 0 <= token < vocab:
-                rows.append(row)
-                cols.append(token)
-    if rows:
-        arrays["mask_rows"] = np.array(rows, dtype=np.int64)
-        arrays["mask_cols"] = np.array(cols, dtype=np.int64)
+    masks = [np.asarray(ids, dtype=np.int64) for ids in masked_token_ids]
+    sizes = [mask.size for mask in masks]
+    if any(sizes):
+        cols = np.concatenate(masks)
+        rows = np.repeat(np.arange(len(masks), dtype=np.int64), sizes)
+        inside = (cols >= 0) & (cols < vocab)
+        arrays["mask_rows"] = rows[inside]
+        arrays["mask_cols"] = cols[inside]
     return arrays
 
 

@@ -3,7 +3,8 @@ how one :class:`~ipc.schema.BatchPlan` changes it.
 
 Plans are deltas (see :mod:`ipc.schema`), so a worker holds every sequence between
 steps: its tokens, how many of them have K/V in the cache, its block table and its
-sampling parameters. :meth:`WorkerState.apply` applies a plan's state changes in the
+sampling parameters (held once per request: a ``NewSeq`` without them takes those of
+its request's other sequences). :meth:`WorkerState.apply` applies a plan's state changes in the
 protocol's order, ``reset`` (forget everything), ``freed_seq_ids``, ``new_seqs``,
 ``block_updates``, then the scheduled token counts, and returns the step's batch:
 which sequences run, at which positions, and how many tokens each samples. After the
@@ -25,9 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ipc.schema import BatchPlan, NewSeq
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["ScheduledSeq", "WorkerSeq", "WorkerState", "WorkerStateError"]
 
@@ -52,8 +57,12 @@ class WorkerSeq:
     block_ids: list[int]
     sampling: SamplingParams
 
+    banned_ids: np.ndarray | None = None
+    """The ids masked while below ``min_tokens`` (stop ids and EOS inside the vocabulary,
+    once each): built by the model runner the first time they are needed."""
+
     @classmethod
-    def from_new(cls, new: NewSeq) -> WorkerSeq:
+    def from_new(cls, new: NewSeq, sampling: SamplingParams) -> WorkerSeq:
         return cls(
             seq_id=new.seq_id,
             request_id=new.request_id,
@@ -62,7 +71,7 @@ class WorkerSeq:
             num_prompt_tokens=new.num_prompt_tokens,
             num_computed_tokens=new.num_computed_tokens,
             block_ids=list(new.block_ids),
-            sampling=new.sampling,
+            sampling=sampling,
         )
 
     @property
@@ -104,6 +113,8 @@ class WorkerState:
 
     def __init__(self) -> None:
         self.seqs: dict[str, WorkerSeq] = {}
+        self.params: dict[str, tuple[SamplingParams, int]] = {}
+        """Request id -> its sampling parameters and how many held sequences use them."""
 
     def get(self, seq_id: str) -> WorkerSeq:
         seq = self.seqs.get(seq_id)
@@ -119,13 +130,16 @@ class WorkerState:
         """
         if plan.reset:
             self.seqs.clear()
+            self.params.clear()
         for seq_id in plan.freed_seq_ids:
-            if self.seqs.pop(seq_id, None) is None:
+            freed = self.seqs.pop(seq_id, None)
+            if freed is None:
                 raise WorkerStateError(f"plan frees unknown sequence {seq_id!r}")
+            self._release(freed.request_id)
         for new in plan.new_seqs:
             if new.seq_id in self.seqs:
                 raise WorkerStateError(f"plan sends sequence {new.seq_id!r} again as new")
-            self.seqs[new.seq_id] = WorkerSeq.from_new(new)
+            self.seqs[new.seq_id] = WorkerSeq.from_new(new, self._hold(new))
         for update in plan.block_updates:
             seq = self.get(update.seq_id)
             seq.block_ids.extend(update.appended)
@@ -140,6 +154,25 @@ class WorkerState:
             if seq_id not in plan.num_scheduled_tokens:
                 raise WorkerStateError(f"plan samples unscheduled sequence {seq_id!r}")
         return [self._schedule(plan, seq_id, n) for seq_id, n in plan.num_scheduled_tokens.items()]
+
+    def _hold(self, new: NewSeq) -> SamplingParams:
+        """The sampling parameters of ``new``'s request, now used by one more sequence."""
+        held = self.params.get(new.request_id)
+        sampling = new.sampling if new.sampling is not None else held and held[0]
+        if sampling is None:
+            raise WorkerStateError(
+                f"{new.seq_id!r}: sent without sampling parameters, and no sequence of "
+                f"request {new.request_id!r} holds them"
+            )
+        self.params[new.request_id] = (sampling, 1 + (held[1] if held else 0))
+        return sampling
+
+    def _release(self, request_id: str) -> None:
+        sampling, users = self.params[request_id]
+        if users > 1:
+            self.params[request_id] = (sampling, users - 1)
+        else:
+            del self.params[request_id]
 
     def _schedule(self, plan: BatchPlan, seq_id: str, num_tokens: int) -> ScheduledSeq:
         seq = self.get(seq_id)

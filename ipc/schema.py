@@ -79,8 +79,10 @@ __all__ = [
     "WorkerStatus",
     "client_decoder",
     "control_decoder",
+    "control_kind",
     "decode",
     "encode",
+    "plan_decoder",
     "server_decoder",
     "worker_decoder",
 ]
@@ -155,7 +157,10 @@ class NewSeq(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens whose K/V are already in the cache (prefix hit, swap-in, fork)."""
     block_ids: list[int]
     """The whole device block table after this step's allocations."""
-    sampling: SamplingParams
+    sampling: SamplingParams | None = None
+    """The request's sampling parameters; ``None`` when the worker already holds them: a
+    sequence of the same request is on the worker before this plan or carries them in
+    it (the n-1 forks of an n>1 request carry this reference, not n-1 copies)."""
 
 
 class BlockUpdate(msgspec.Struct, frozen=True, kw_only=True):
@@ -383,6 +388,11 @@ class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_fi
     priority: int = 0
     stream: bool = False
     """Send a Delta event per step; without it only Accepted and Finished come."""
+    user: str = ""
+    """The end user on whose behalf a shared client (the HTTP gateway) sends this: fair
+    share and the per-user queue cap count requests per (connection, user). An opaque
+    label (the gateway sends a hash of the API key or the client's address, never a
+    raw key); "" = the connection itself."""
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", tag_field="type"):
@@ -404,6 +414,12 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics", tag_fiel
 class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping", tag_field="type"):
     """Client keep-alive: a client silent for ``client_timeout_s`` while it has requests
     in flight is taken as gone, and its requests are aborted."""
+
+    sequenced: bool = False
+    """Ask the server to number its replies to this connection from now on: each then
+    comes as two frames, the message and its number (8 bytes, big-endian, from 0, one
+    more per reply), so the client sees a reply that was lost (a gap) or that the
+    server started afresh (0 again). Asked again after the server forgot the client."""
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted", tag_field="type"):
@@ -581,6 +597,22 @@ worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 """What the scheduler accepts from workers."""
 control_decoder = msgspec.msgpack.Decoder(ControlMessage)
 """What workers accept from the scheduler."""
+plan_decoder = msgspec.msgpack.Decoder(BatchPlan)
+"""A frame :func:`control_kind` says is a plan (decoded where the step runs)."""
+
+
+class _Tagged(msgspec.Struct):
+    type: str
+
+
+_tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+
+
+def control_kind(data: bytes) -> str:
+    """The tag of a control frame (``"plan"``, ``"shutdown"``, ...) without decoding the
+    rest: the other fields are skipped, not built or validated, so a worker's I/O thread
+    learns what a plan is at the cost of a scan. Raises like :func:`decode`."""
+    return _tag_decoder.decode(data).type
 
 
 def encode(message: Message) -> bytes:

@@ -5,8 +5,9 @@ module owns everything on that socket: joins (answered with the setup the host
 chooses), hellos (accepted or refused by the host), heartbeats, the fan-out of each
 plan to every ready rank and the collection of their results (rank 0's samples are
 used), and losses: a worker that says it failed, goes silent, dies (seen by its pid
-when it runs in this pid namespace), or owes a step for ``step_timeout_s`` (hung:
-killed) is dropped. Several plans may be in flight (overlapped scheduling): a worker
+when it runs in this pid namespace), or owes a step for ``step_timeout_s`` (hung) is
+dropped, told to leave and, when it runs in this pid namespace, killed, so that its
+supervisor or systemd replaces it. Several plans may be in flight (overlapped scheduling): a worker
 runs them in order, so a step's timeout counts from when the step before it ended. A
 loss during a step fails the futures of every step in flight with
 :class:`~scheduler_svc.step_engine.StepLostError`; a loss between steps is reported to
@@ -43,6 +44,7 @@ from ipc.schema import (
 )
 from scheduler_svc.step_engine import StepLostError
 from scheduler_svc.workers import WorkerHandle, WorkerRegistry
+from shared.procinfo import process_alive
 
 log = logging.getLogger("expeditor.scheduler")
 
@@ -123,7 +125,11 @@ class RemoteExecutor:
             self.send(handle, Shutdown())
 
     def check(self, now: float) -> None:
-        """Drop workers silent for too long or seen dead (call now and then)."""
+        """Drop workers silent for too long or seen dead (call now and then). Frames
+        waiting to be read mean this loop, not the workers, was slow: they are read
+        first, so a stalled scheduler never takes its own delay for a silent worker."""
+        if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+            return
         for handle in self.registry.expire(now):
             self._on_lost(handle)
 
@@ -234,10 +240,7 @@ class RemoteExecutor:
                 inflight.step,
                 self.step_timeout_s,
             )
-            try:
-                os.kill(handle.pid, signal.SIGKILL)
-            except OSError as exc:  # gone already, or not ours to kill
-                log.warning("could not kill pid %d: %s", handle.pid, exc)
+            self._send_off(handle)
         self._fail_all(f"step {inflight.step} hung")
         self._take_down_group()
 
@@ -248,8 +251,11 @@ class RemoteExecutor:
 
     def _on_lost(self, handle: WorkerHandle) -> None:
         """The device cache of a dropped worker is gone: fail the step in flight (its
-        driver then re-queues), or have the host re-queue now if idle."""
+        driver then re-queues), or have the host re-queue now if idle. A worker given up
+        on while it may still live (silent, not dead) is sent off, so that its
+        supervisor or systemd starts a fresh one: it could never rejoin as it is."""
         log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
+        self._send_off(handle)
         self._take_down_group()
         if self.inflight:
             self._fail_all(f"rank {handle.rank} lost")
@@ -266,12 +272,18 @@ class RemoteExecutor:
         for other in list(self.registry.workers.values()):
             self.registry.drop(other.identity)
             log.error("rank %d (pid %d) leaves with its group", other.rank, other.pid)
-            self.send(other, Shutdown(restart=True))
-            if other.start_time:  # in this pid namespace
-                try:
-                    os.kill(other.pid, signal.SIGKILL)
-                except OSError as exc:
-                    log.warning("could not kill pid %d: %s", other.pid, exc)
+            self._send_off(other)
+
+    def _send_off(self, handle: WorkerHandle) -> None:
+        """Tell a dropped worker to leave and restart (exit status 3), and kill it when
+        it runs in this pid namespace and is still the process that joined (pid and
+        start time): it may be too stuck to read the message."""
+        self.send(handle, Shutdown(restart=True))
+        if handle.start_time and process_alive(handle.pid, handle.start_time):
+            try:
+                os.kill(handle.pid, signal.SIGKILL)
+            except OSError as exc:  # gone already, or not ours to kill
+                log.warning("could not kill pid %d: %s", handle.pid, exc)
 
 
 def _log_send_failure(future: asyncio.Future[object]) -> None:

@@ -81,7 +81,7 @@ class StepBuilder:
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_computed_tokens=seq.num_computed_tokens,
                     block_ids=list(seq.block_table),
-                    sampling=seq.request.params,
+                    sampling=None if _params_on_worker(seq) else seq.request.params,
                 )
             )
             seq.on_worker = True
@@ -130,3 +130,9 @@ class InflightStep:
     """CPU blocks of its swap-ins, released when its result arrives."""
     swapped_out: list[Sequence] = field(default_factory=list)
     """Sequences whose swap-out copies ride on it."""
+
+
+def _params_on_worker(seq: Sequence) -> bool:
+    """Whether the workers hold ``seq``'s request's sampling parameters: another of its
+    sequences is on them (sent before, or earlier in this plan)."""
+    return any(other.on_worker for other in seq.request.seqs if other is not seq)

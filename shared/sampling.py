@@ -12,11 +12,24 @@ from msgspec.structs import force_setattr
 
 from shared.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_SEED", "MAX_STOP_STRINGS", "SamplingParams"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_SEED",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "MAX_STOP_TOKEN_IDS",
+    "SamplingParams",
+]
 
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string: the detokenizer holds back up to this much streamed text."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids one request may give (every sample carries the request's set;
+the min-tokens mask holds them)."""
 MAX_SEED = 2**63 - 1
 
 
@@ -145,6 +158,11 @@ def _sequence(value: object, name: str) -> tuple[object, ...]:
 
 def _token_ids(value: object) -> tuple[int, ...]:
     items = _sequence(value, "stop_token_ids")
+    if len(items) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(items)}",
+            field="stop_token_ids",
+        )
     for index, item in enumerate(items):
         _int(item, f"stop_token_ids[{index}]", low=0, field="stop_token_ids")
     return items  # type: ignore[return-value]  # every item checked above
@@ -161,6 +179,11 @@ def _stop_strings(value: object) -> tuple[str, ...]:
             _fail(f"stop[{index}]", "expected a string", item, field="stop")
         if item == "":
             _fail(f"stop[{index}]", "must be a non-empty string", item, field="stop")
+        if len(item) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop[{index}]: at most {MAX_STOP_STRING_CHARS} characters, got {len(item)}",
+                field="stop",
+            )
     return items  # type: ignore[return-value]  # every item checked above
 
 
