@@ -222,3 +222,39 @@ def test_masks_given_as_arrays_mask_like_lists() -> None:
     masked[0, [1, 2, 49]] = -torch.inf
     masked[2, lists[2]] = -torch.inf
     assert by_array.token_ids == masked.argmax(dim=-1).tolist()
+
+
+def test_finished_requests_and_their_stop_sets_are_not_kept() -> None:
+    """Scheduler memory stayed high after requests with many stop ids (item 8): nothing
+    in the core keeps a finished request (and so its stop-id set) alive."""
+    import gc
+
+    from scheduler_svc.request import Request
+
+    model = FakeModel()
+    config = SchedulerConfig(
+        block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_model_len=128, watermark=0.0
+    )
+    core = Scheduler(config, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1 << 20)
+    worker = FakeWorker(model, block_size=4, num_gpu_blocks=64, num_cpu_blocks=0)
+    engine = StepEngine(core, InlineExecutor(worker.execute))
+    stops = list(range(300, 300 + MAX_STOP_TOKEN_IDS))
+    for index in range(6):
+        params = SamplingParams(n=4, max_tokens=6, min_tokens=2, stop_token_ids=stops)
+        core.add_request(f"leak{index}", model.prompt(f"leak{index}", 7), params)
+    assert len(_live_requests(Request)) == 6
+    while engine.has_work():
+        engine.step()
+    gc.collect()
+    assert _live_requests(Request) == []
+    assert worker.seqs == {} and worker.state.params == {}
+
+
+def _live_requests(kind: type) -> list[str]:
+    import gc
+
+    return [
+        o.request_id
+        for o in gc.get_objects()
+        if type(o) is kind and o.request_id.startswith("leak")
+    ]
