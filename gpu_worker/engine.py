@@ -17,6 +17,7 @@ For tests, benchmarks and offline batch jobs::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,9 @@ class LLM:
                 config.num_cpu_blocks, self.runner.layout.bytes_per_block
             )
             self.runner.kv_cache.attach_swap_pool(self.swap_pool)
+        # Released by close(), or when this engine is garbage-collected without it (the
+        # segment is never left to Python's resource tracker and its exit-time warning).
+        self._release = weakref.finalize(self, _release_swap_pool, self.runner, self.swap_pool)
         max_len = min(config.max_model_len, self.runner.config.max_position_embeddings)
         self.config = msgspec.structs.replace(
             config, num_gpu_blocks=self.runner.num_gpu_blocks, max_model_len=max_len
@@ -188,13 +192,17 @@ class LLM:
             self.finished[message.request_id] = message.completion
 
     def close(self) -> None:
-        self.runner.kv_cache.detach_swap_pool()
-        if self.swap_pool is not None:
-            self.swap_pool.close()
-            self.swap_pool = None
+        self._release()
+        self.swap_pool = None
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_swap_pool(runner: ModelRunner, pool: SwapPoolSegment | None) -> None:
+    runner.kv_cache.detach_swap_pool()
+    if pool is not None:
+        pool.close()

@@ -32,7 +32,7 @@ cores (native CPU attention, lean forward) the tiny preset times no faster on bo
 
 QUIET_SHARE = 0.2
 """Other processes' CPU time during a measurement, in cores, above which it is taken again."""
-QUIET_WAIT_S = 10.0
+QUIET_WAIT_S = 3.0
 """How long the worker waits for a quiet measurement before using the last one."""
 
 CALIBRATION_SEQS = 64

@@ -103,8 +103,16 @@ class Supervisor:
         self.stopping = True
 
     def run(self) -> int:
+        """Serve until stopped: 0 after a stop that drained cleanly (the scheduler exited
+        0), even one asked for while a worker or the gateway was still starting; 1 when
+        the server could not start or its scheduler died."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        status = self._run()
+        drained = self.scheduler is not None and self.scheduler.returncode == 0
+        return 0 if self.stopping and drained else status
+
+    def _run(self) -> int:
         try:
             self.scheduler = self._spawn("scheduler")
             for rank in range(self.server.num_ranks):
