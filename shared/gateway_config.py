@@ -84,6 +84,53 @@ class GatewayConfig(Settings, frozen=True):
             "with 503 (and /health says 503).",
         ),
     ] = 10.0
+    max_batch_prompts: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Most prompts in one /v1/completions batch (a list of prompts); "
+            "more get 400.",
+        ),
+    ] = 256
+    max_batch_choices: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Most choices in one response: n times the number of prompts; "
+            "more get 400.",
+        ),
+    ] = 1024
+    max_response_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Most tokens one response may carry, estimated before any work: "
+            "choices x (echoed prompt tokens + max_tokens), each generated token counted "
+            "2 + logprobs times when logprobs are asked for, an echoed text prompt one "
+            "token per 4 bytes; more get 400.",
+        ),
+    ] = 1024 * 1024
+    max_messages: Annotated[
+        int,
+        Meta(ge=1, description="Most messages in one chat request; more get 400."),
+    ] = 2048
+    render_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest a chat template may take to render one request's "
+            "messages (off the event loop); longer ones get 400.",
+        ),
+    ] = 5.0
+    max_stream_buffer_bytes: Annotated[
+        int,
+        Meta(
+            ge=65536,
+            description="Most bytes a stream may hold unsent (a client that does not "
+            "read): beyond it the request is aborted, with a logged reason and an error "
+            "event ending the stream.",
+        ),
+    ] = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -15,6 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from expeditor.gateway.chat import render_messages
 from expeditor.gateway.completions import ChatHandler, CompletionHandler
 from expeditor.gateway.http import (
     ClientGone,
@@ -53,6 +55,7 @@ from ipc.errors import (
 )
 from ipc.schema import HealthState
 from shared.gateway_config import GatewayConfig
+from shared.memory import Trimmer
 
 __all__ = ["Gateway", "create_app"]
 
@@ -64,6 +67,11 @@ HEALTH_TIMEOUT_S = 2.0
 """How long /health waits: a probe gets its 503 within a load balancer's timeout."""
 INLINE_TOKENIZE_CHARS = 16_384
 """Longer chat prompts are tokenized on a thread, off the event loop."""
+TRIM_AFTER_BYTES = 256 * 1024
+"""After a request with a body this large, freed heap is handed back to the OS."""
+_LARGE_BODY: ContextVar[Trimmer | None] = ContextVar("large_body", default=None)
+"""The gateway's trimmer, set (for the request's task) when its body was at least
+TRIM_AFTER_BYTES."""
 
 
 class Gateway:
@@ -95,6 +103,8 @@ class Gateway:
         """Generation requests whose response is not over."""
         self.stop_now = asyncio.Event()
         """Set when the grace is over: open streams end with an error event."""
+        self.trimmer = Trimmer()
+        """Returns the memory of large requests once they are over."""
 
     def start(self) -> None:
         timeout = self.config.scheduler_timeout_s
@@ -127,6 +137,13 @@ class Gateway:
 
     def finished(self) -> None:
         self.active -= 1
+        self.trim_if_large()
+
+    def trim_if_large(self) -> None:
+        """Hand freed heap back to the OS if the current request's body was large
+        (called once it is over)."""
+        if _LARGE_BODY.get() is not None:
+            self.trimmer.soon()
 
     async def served_model(self) -> ServedModel:
         """The model, looked up once the scheduler has a worker (503 before)."""
@@ -207,7 +224,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         """The checked body of a request to the model and the model (API key, size,
         JSON, the model's name: each refused with its own error)."""
         check_api_key(request, gateway.api_key)
-        body = decode_body(await read_body(request, limit), kind)
+        raw = await read_body(request, limit)
+        if len(raw) >= TRIM_AFTER_BYTES:
+            _LARGE_BODY.set(gateway.trimmer)
+        body = decode_body(raw, kind)
+        del raw
         model = await gateway.served_model()
         gateway.check_model(model, body.model)
         return body, model
@@ -306,8 +327,13 @@ def create_app(gateway: Gateway) -> FastAPI:
             if (body.prompt is None) == (body.messages is None):
                 raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
             if body.messages is not None:
-                text = model.template().render(
-                    body.messages, add_generation_prompt=body.add_generation_prompt
+                text = await render_messages(
+                    model.template(),
+                    body.messages,
+                    max_messages=gateway.config.max_messages,
+                    max_bytes=gateway.max_prompt_bytes,
+                    timeout_s=gateway.config.render_timeout_s,
+                    add_generation_prompt=body.add_generation_prompt,
                 )
                 tokens = await gateway.encode(model, text, special=False, field="messages")
             else:
@@ -346,9 +372,20 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-async def _guard(work: Any) -> Any:
+async def _answer(work: Any) -> Any:
     """Await a route's work; any exception becomes an OpenAI error response."""
     try:
         return await work
     except Exception as exc:
         return _error_response(exc)
+
+
+async def _guard(work: Any) -> Any:
+    """:func:`_answer`, then the memory of a large request is handed back to the OS
+    (a stream's again once it ends: :meth:`Gateway.finished`)."""
+    try:
+        return await _answer(work)
+    finally:
+        trimmer = _LARGE_BODY.get()
+        if trimmer is not None:
+            trimmer.soon()

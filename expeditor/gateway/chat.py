@@ -6,11 +6,21 @@ transformers' ``apply_chat_template`` renders it (a sandboxed Jinja environment 
 The template comes from ``--chat-template FILE``, else the checkpoint's
 ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string, or
 a list of named templates of which ``default`` is used).
+
+What a request may cost: at most ``max_messages`` messages (checked before rendering);
+``chat_template_kwargs`` may add variables but not shadow the ones the template is given
+(:data:`RESERVED_NAMES`: the messages, the special tokens, the template's functions),
+so a request cannot make the template repeat a large ``bos_token`` per message; the
+prompt is checked against ``max_prompt_bytes`` while it is rendered (piece by piece),
+and rendering runs on a thread (unless the conversation is short) with a time bound,
+``render_timeout_s``. Each is a 400 naming the limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -21,9 +31,38 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from expeditor.gateway.protocol import GatewayRequestError
 
-__all__ = ["ChatTemplate", "load_chat_template"]
+__all__ = ["RESERVED_NAMES", "ChatTemplate", "load_chat_template", "render_messages"]
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+RESERVED_NAMES = frozenset(
+    {
+        *_SPECIAL,
+        "sep_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "tool_choice",
+        # the template's functions and Jinja's own globals
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "namespace",
+    }
+)
+"""Names ``chat_template_kwargs`` may not set (400 naming the key)."""
+
+INLINE_RENDER_MESSAGES = 16
+"""Conversations up to this many messages are rendered on the event loop (fast)."""
 
 
 def _raise(message: str) -> NoReturn:
@@ -65,21 +104,47 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         extra: dict[str, Any] | None = None,
+        max_bytes: int | None = None,
+        timeout_s: float | None = None,
     ) -> str:
-        """The prompt text; a bad message or a template error is a 400."""
+        """The prompt text; a bad message or a template error is a 400, and so is a
+        prompt over ``max_bytes`` (checked as it grows) or a render still going after
+        ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         checked = [_check_message(index, m) for index, m in enumerate(messages)]
         if continue_final_message and add_generation_prompt:
             raise GatewayRequestError(
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 param="continue_final_message",
             )
+        _check_kwargs(extra)
         context = {**self.special_tokens, **(extra or {})}
+        pieces: list[str] = []
+        size = 0
         try:
-            text = self._template.render(
+            for piece in self._template.generate(
                 messages=checked, add_generation_prompt=add_generation_prompt, **context
-            )
+            ):
+                pieces.append(piece)
+                size += len(piece)  # characters: at most the UTF-8 bytes
+                if max_bytes is not None and size > max_bytes:
+                    raise GatewayRequestError(
+                        f"messages: the rendered prompt is over {size} characters; this "
+                        f"server takes at most max_prompt_bytes={max_bytes}",
+                        param="messages",
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    raise _too_slow(timeout_s)
+        except GatewayRequestError:
+            raise
         except jinja2.exceptions.TemplateError as exc:
             raise GatewayRequestError(f"messages: the chat template refused them: {exc}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError, RecursionError) as exc:
+            # Values from chat_template_kwargs or the messages the template cannot use.
+            raise GatewayRequestError(
+                f"messages: the chat template failed on this request: {exc}", param="messages"
+            ) from None
+        text = "".join(pieces)
         if continue_final_message:
             final = checked[-1].get("content") or ""
             cut = text.rfind(final) if final else -1
@@ -90,6 +155,67 @@ class ChatTemplate:
                 )
             text = text[: cut + len(final)]
         return text
+
+
+def _too_slow(timeout_s: float | None) -> GatewayRequestError:
+    return GatewayRequestError(
+        f"messages: rendering the chat template took longer than render_timeout_s={timeout_s}",
+        param="messages",
+    )
+
+
+def _check_kwargs(extra: dict[str, Any] | None) -> None:
+    """400 naming the first key of ``chat_template_kwargs`` that shadows a variable the
+    template is given."""
+    for key in extra or ():
+        if key in RESERVED_NAMES:
+            raise GatewayRequestError(
+                f"chat_template_kwargs: {key!r} is reserved (the template's own variable: "
+                "special tokens, messages, tools and the template's functions cannot be "
+                "overridden)",
+                param="chat_template_kwargs",
+            )
+
+
+async def render_messages(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    *,
+    max_messages: int,
+    max_bytes: int,
+    timeout_s: float,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """The prompt of a request's ``messages``, within the limits: at most
+    ``max_messages`` (checked first), ``max_bytes`` of prompt, ``timeout_s`` of
+    rendering, which runs on a thread unless the conversation is short."""
+    if len(messages) > max_messages:
+        raise GatewayRequestError(
+            f"messages: {len(messages)} messages; this server takes at most "
+            f"max_messages={max_messages}",
+            param="messages",
+        )
+    _check_kwargs(extra)
+
+    def render() -> str:
+        return template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            extra=extra,
+            max_bytes=max_bytes,
+            timeout_s=timeout_s,
+        )
+
+    if len(messages) <= INLINE_RENDER_MESSAGES:
+        return render()
+    try:
+        # The thread stops itself at the deadline too (between two pieces of output).
+        return await asyncio.wait_for(asyncio.to_thread(render), timeout_s)
+    except TimeoutError:
+        raise _too_slow(timeout_s) from None
 
 
 def _check_message(index: int, message: dict[str, Any]) -> dict[str, Any]:

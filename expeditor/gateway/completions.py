@@ -7,6 +7,11 @@ sample and step with new text, the finish reason on the sample's last chunk, the
 (with ``stream_options.include_usage``) a chunk with ``choices: []`` and ``usage``, then
 ``data: [DONE]``. A failure after the first chunk is sent as an error event before
 ``[DONE]``; one before it is the HTTP error itself.
+
+What one request may cost is checked in :meth:`_Handler.prepare`, before any work
+(:mod:`expeditor.gateway.limits`, :func:`~expeditor.gateway.chat.render_messages`); a
+batch's scheduler requests start a few at a time (:mod:`expeditor.gateway.fanout`) and
+a stream's unsent output is bounded (:mod:`expeditor.gateway.stream_buffer`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from expeditor.gateway.chat import render_messages
+from expeditor.gateway.fanout import fan_out
+from expeditor.gateway.limits import (
+    check_batch,
+    check_response_size,
+    echo_tokens,
+    response_tokens,
+)
 from expeditor.gateway.model import ServedModel
 from expeditor.gateway.protocol import (
     ChatCompletionRequest,
@@ -31,6 +44,7 @@ from expeditor.gateway.responses import (
     sse,
     usage_body,
 )
+from expeditor.gateway.stream_buffer import bounded_stream
 from ipc.async_client import AsyncClient, ClientCompletion
 from ipc.schema import Delta, Timings, Usage
 from shared.outputs import CompletionSample, FinishReason
@@ -43,6 +57,9 @@ __all__ = ["ChatHandler", "CompletionHandler"]
 
 Prompt = tuple[str | None, list[int] | None]
 """(text, token ids): exactly one is set."""
+
+INLINE_DECODE_TOKENS = 16_384
+"""Echoed prompts of more tokens than this (all together) are decoded on a thread."""
 
 
 class _Handler:
@@ -83,6 +100,8 @@ class _Handler:
     async def _generate(self, index: int) -> ClientCompletion:
         text, token_ids = self.prompts[index]
         if self.body.zero_tokens:
+            if text is not None and len(text) > INLINE_DECODE_TOKENS:  # tokenized
+                return await asyncio.to_thread(self._nothing_to_generate, index)
             return self._nothing_to_generate(index)
         return await self.client.generate(
             text,
@@ -94,15 +113,9 @@ class _Handler:
         )
 
     async def complete(self) -> dict[str, Any]:
-        """Run every prompt to the end; the whole response body."""
-        tasks = [asyncio.ensure_future(self._generate(i)) for i in range(len(self.prompts))]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:  # one failure (or a disconnect) cancels, so aborts, the rest
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        """Run every prompt to the end; the whole response body. One failure (or a
+        disconnect) cancels, so aborts, the rest."""
+        results = await fan_out(len(self.prompts), self._generate)
         choices = []
         for prompt_index, result in enumerate(results):
             for sample in result.samples:
@@ -138,9 +151,9 @@ class _Handler:
             except Exception as exc:
                 queue.put_nowait((index, exc))
 
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.prompts))]
+        starter = asyncio.ensure_future(fan_out(len(self.prompts), pump))
         try:
-            running = len(tasks)
+            running = len(self.prompts)
             while running:
                 index, item = await queue.get()
                 if item is None:
@@ -150,9 +163,8 @@ class _Handler:
                 else:
                     yield index, item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            starter.cancel()  # and so every pump
+            await asyncio.gather(starter, return_exceptions=True)
 
     def _nothing_to_generate(self, index: int) -> ClientCompletion:
         """The answer to max_tokens 0, without the scheduler: every sample empty, ended
@@ -222,9 +234,14 @@ class _Handler:
         assert stream.completion is not None
         self.usages[index] = stream.completion.usage
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    def stream(self) -> AsyncIterator[bytes]:
         """The SSE events. Errors before the first event are raised (the caller answers
-        with an HTTP error); later ones become an error event."""
+        with an HTTP error); later ones become an error event. At most
+        ``max_stream_buffer_bytes`` wait unsent (beyond, the request is aborted)."""
+        limit = self.gateway.config.max_stream_buffer_bytes
+        return bounded_stream(self._sse(), limit, self.response_id)
+
+    async def _sse(self) -> AsyncIterator[bytes]:
         started = False
         n = self.params.n
         continuous_usage = self.body.continuous_usage
@@ -323,21 +340,46 @@ class CompletionHandler(_Handler):
     body: CompletionRequest
 
     async def prepare(self) -> None:
-        self.params = self.body.check()
-        self.prompts = [
-            (p, None) if isinstance(p, str) else (None, list(p)) for p in self.body.prompts()
-        ]
+        body = self.body
+        self.params = body.check()
+        prompts = body.prompts()
+        n = self.params.n
+        config = self.gateway.config
+        check_batch(len(prompts), n, config)
+        echoed = [echo_tokens(p) for p in prompts] if body.echo else [0] * len(prompts)
+        check_response_size(
+            response_tokens(n, echoed, self._max_new_tokens(prompts), body.logprobs),
+            config,
+            "n" if n > 1 else "max_tokens",
+        )
+        self.prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts]
         self.echoed = [""] * len(self.prompts)
         """The prompt text each choice starts with (echo), not sent yet when streaming."""
-        if self.body.echo:
-            self.echoed = [
-                text if text is not None else self.model.decode(ids or [])
-                for text, ids in self.prompts
-            ]
-        self.echo_pending = set(range(len(self.prompts) * self.params.n))
-        n = self.params.n
+        if body.echo:
+            self.echoed = await self._echoed_texts(sum(echoed))
+        self.echo_pending = set(range(len(self.prompts) * n))
         self.text_offsets = [len(self.echoed[i // n]) for i in range(len(self.prompts) * n)]
         """Per choice: where its next token's text starts (the logprobs' text_offset)."""
+
+    def _max_new_tokens(self, prompts: list[str | list[int]]) -> int:
+        """The most tokens a sample may generate (max_tokens null: up to the context)."""
+        if self.body.max_tokens is not None:
+            return self.body.max_tokens
+        limit = self.model.max_model_len or 0
+        shortest = min((len(p) for p in prompts if not isinstance(p, str)), default=0)
+        return max(0, limit - shortest)
+
+    async def _echoed_texts(self, tokens: int) -> list[str]:
+        """Every prompt's text; token id prompts decoded (on a thread when long)."""
+        ids = [token_ids or [] for _, token_ids in self.prompts]
+        if tokens <= INLINE_DECODE_TOKENS:
+            decoded = [self.model.decode(i) if i else "" for i in ids]
+        else:
+            decoded = await asyncio.to_thread(self.model.decode_batch, ids)
+        return [
+            text if text is not None else d
+            for (text, _), d in zip(self.prompts, decoded, strict=True)
+        ]
 
     def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         echoed = self.echoed[prompt_index]
@@ -385,8 +427,15 @@ class ChatHandler(_Handler):
     async def prepare(self) -> None:
         body = self.body
         self.params = body.check()
-        text = self.model.template().render(
+        config = self.gateway.config
+        n = self.params.n
+        check_batch(1, n, config)
+        text = await render_messages(
+            self.model.template(),
             body.messages,
+            max_messages=config.max_messages,
+            max_bytes=self.gateway.max_prompt_bytes,
+            timeout_s=config.render_timeout_s,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             extra=body.chat_template_kwargs,
@@ -394,6 +443,14 @@ class ChatHandler(_Handler):
         token_ids = await self.gateway.encode(self.model, text, special=False, field="messages")
         if not token_ids:
             raise GatewayRequestError("messages: the rendered prompt is empty", param="messages")
+        limit = body.limit
+        if limit is None:  # up to the context
+            limit = max(0, (self.model.max_model_len or 0) - len(token_ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_response_size(
+            response_tokens(n, [0], limit, logprobs), config, "n" if n > 1 else field
+        )
         self.prompts = [(None, token_ids)]
         self.top_n = body.top_logprobs or 0
 

@@ -83,6 +83,10 @@ class ServedModel:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """Several texts at once (releases the GIL while it works: for a thread)."""
+        return self.tokenizer.decode_batch(batch, skip_special_tokens=False)
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
