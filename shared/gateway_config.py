@@ -131,6 +131,61 @@ class GatewayConfig(Settings, frozen=True):
             "event ending the stream.",
         ),
     ] = 16 * 1024 * 1024
+    header_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A connection's request head (request line and headers) must "
+            "arrive within this many seconds of the connection opening or of the previous "
+            "response; else 408 and the connection is closed (slow-header clients).",
+        ),
+    ] = 10.0
+    body_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A request body must arrive within this many seconds of its head; "
+            "else 408 and the connection is closed (slow-body clients).",
+        ),
+    ] = 30.0
+    max_header_bytes: Annotated[
+        int,
+        Meta(
+            ge=1024,
+            le=16 * 1024 * 1024,
+            description="Largest request head (request line and headers), counted as the "
+            "bytes arrive; a bigger one gets 431 and the connection is closed.",
+        ),
+    ] = 64 * 1024
+    max_header_count: Annotated[
+        int,
+        Meta(ge=8, le=10_000, description="Most header lines in a request; more get 431."),
+    ] = 100
+    max_connections: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Most open HTTP connections; one beyond gets 503 and is closed at "
+            "once. Must fit under the open-file limit (LimitNOFILE=) with 64 to spare: "
+            "the gateway raises its soft limit up to the hard one, else refuses to start.",
+        ),
+    ] = 1000
+    metrics_interval_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="/metrics is rendered from a snapshot of the scheduler's numbers "
+            "taken at most this often (concurrent scrapes share one query); a request "
+            "through this gateway finishing refreshes it. 0 = a query per scrape.",
+        ),
+    ] = 1.0
+    api_docs: Annotated[
+        bool,
+        Meta(
+            description="Serve /openapi.json, /docs and /redoc (behind the API key when "
+            "one is set); off by default."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

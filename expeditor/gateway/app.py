@@ -35,7 +35,7 @@ from expeditor.gateway.http import (
     read_body,
     unless_gone,
 )
-from expeditor.gateway.metrics import render_metrics
+from expeditor.gateway.metrics import MetricsCache
 from expeditor.gateway.model import ServedModel
 from expeditor.gateway.protocol import (
     ChatCompletionRequest,
@@ -105,6 +105,12 @@ class Gateway:
         """Set when the grace is over: open streams end with an error event."""
         self.trimmer = Trimmer()
         """Returns the memory of large requests once they are over."""
+        self.metrics = MetricsCache(self._metrics_reply, config.metrics_interval_s)
+        """/metrics snapshots, shared by concurrent scrapes."""
+
+    async def _metrics_reply(self) -> Any:
+        assert self.client is not None
+        return await self.client.metrics(timeout=CONTROL_TIMEOUT_S)
 
     def start(self) -> None:
         timeout = self.config.scheduler_timeout_s
@@ -137,6 +143,7 @@ class Gateway:
 
     def finished(self) -> None:
         self.active -= 1
+        self.metrics.invalidate()  # the next scrape counts this request
         self.trim_if_large()
 
     def trim_if_large(self) -> None:
@@ -217,7 +224,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="expeditor", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="expeditor", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
+    if gateway.config.api_docs:
+        _add_api_docs(app, gateway)
     limit = gateway.config.max_body_bytes
 
     async def _open(request: Request, kind: type[Any]) -> tuple[Any, ServedModel]:
@@ -263,7 +274,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             ) from None
         finally:
             if not streaming:
-                gateway.active -= 1
+                gateway.finished()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -308,15 +319,14 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        def name_of(reply: Any) -> str:
+            if gateway.model is not None:
+                return gateway.model.name
+            return gateway.config.served_model_name or reply.model
+
         async def work() -> Response:
-            assert gateway.client is not None
-            reply = await gateway.client.metrics(timeout=CONTROL_TIMEOUT_S)
-            name = (
-                gateway.model.name
-                if gateway.model is not None
-                else (gateway.config.served_model_name or reply.model)
-            )
-            return Response(render_metrics(reply, name), media_type=CONTENT_TYPE_LATEST)
+            text = await gateway.metrics.text(name_of)
+            return Response(text, media_type=CONTENT_TYPE_LATEST)
 
         return await _guard(work())
 
@@ -389,3 +399,32 @@ async def _guard(work: Any) -> Any:
         trimmer = _LARGE_BODY.get()
         if trimmer is not None:
             trimmer.soon()
+
+
+def _add_api_docs(app: FastAPI, gateway: Gateway) -> None:
+    """/openapi.json, /docs and /redoc ([gateway] api_docs), behind the API key."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            return _json(app.openapi())
+
+        return await _answer(work())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="expeditor")
+
+        return await _answer(work())
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> Response:
+        async def work() -> Response:
+            check_api_key(request, gateway.api_key)
+            return get_redoc_html(openapi_url="/openapi.json", title="expeditor")
+
+        return await _answer(work())
