@@ -9,7 +9,7 @@ import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -64,17 +64,25 @@ STOPPING_EVENT = (
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 when it is (or says it will be) larger than ``limit``."""
+    """The request body; 413 when it is (or says it will be) larger than ``limit``.
+    A body that does not arrive within ``body_timeout_s`` ends with the connection
+    (closed by :mod:`expeditor.gateway.transport`): a 400 nobody receives, not an
+    error logged as the gateway's."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise GatewayRequestError(
+            "the connection closed before the whole body arrived", kind="ClientDisconnected"
+        ) from None
     return b"".join(chunks)
 
 

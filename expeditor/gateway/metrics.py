@@ -2,13 +2,17 @@
 text format, under vLLM's metric names with the prefix ``expeditor:`` (a vLLM Grafana
 dashboard ports by renaming ``vllm:`` to ``expeditor:``), label ``model_name``.
 
-Every scrape asks the scheduler afresh; nothing is cached in the gateway, so a
-restarted gateway loses nothing and requests sent through the ZeroMQ client count too.
+The numbers are the scheduler's, so a restarted gateway loses nothing and requests
+sent through the ZeroMQ client count too. Scrapes share snapshots
+(:class:`MetricsCache`): a storm of them costs the scheduler one query per
+``metrics_interval_s`` (plus one per request this gateway finished), not one each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -21,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from ipc.schema import MetricsReply
 
-__all__ = ["PREFIX", "render_metrics"]
+__all__ = ["PREFIX", "MetricsCache", "render_metrics"]
 
 PREFIX = "expeditor:"
 
@@ -102,3 +106,82 @@ def render_metrics(reply: MetricsReply, model_name: str) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ReplyCollector(reply, model_name))
     return generate_latest(registry)
+
+
+class MetricsCache:
+    """The rendered /metrics text from a snapshot of the scheduler's numbers, taken at
+    most once per ``interval_s``: scrapes while one is being taken wait for it (one
+    scheduler query however many scrape at once), later ones reuse it until it is
+    ``interval_s`` old. :meth:`invalidate` (a request through this gateway finished)
+    makes the next scrape take a new one, so a client sees its own finished requests
+    counted. A failed query is not kept: every scrape waiting on it gets the error."""
+
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[MetricsReply]],
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fetch = fetch
+        self.interval_s = interval_s
+        self._clock = clock
+        self._version = 0
+        """Bumped by :meth:`invalidate`; a snapshot is current for the version at which
+        its query started."""
+        self._reply: MetricsReply | None = None
+        self._reply_version = -1
+        self._taken = 0.0
+        self._rendered: tuple[MetricsReply, str, bytes] | None = None
+        self._pending: asyncio.Future[MetricsReply] | None = None
+        self._pending_version = -1
+        self.queries = 0
+        """Scheduler queries made (for tests and debugging)."""
+
+    def invalidate(self) -> None:
+        self._version += 1
+
+    def _current(self) -> bool:
+        return (
+            self._reply is not None
+            and self._reply_version == self._version
+            and self._clock() - self._taken < self.interval_s
+        )
+
+    async def reply(self) -> MetricsReply:
+        """A snapshot taken no earlier than the last :meth:`invalidate` before this call."""
+        wanted = self._version
+        while True:
+            if self._current():
+                assert self._reply is not None
+                return self._reply
+            if self._pending is None:
+                self._pending_version = self._version
+                self._pending = asyncio.ensure_future(self._query())
+                # retrieved here too, in case every scrape waiting on it was cancelled
+                self._pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+            version = self._pending_version
+            reply = await asyncio.shield(self._pending)
+            if version >= wanted:
+                return reply
+            # that query began before an invalidation this scrape must see: take another
+
+    async def _query(self) -> MetricsReply:
+        version, started = self._version, self._clock()
+        self.queries += 1
+        try:
+            reply = await self._fetch()
+        finally:
+            self._pending = None
+        if version >= self._reply_version:
+            self._reply, self._reply_version, self._taken = reply, version, started
+        return reply
+
+    async def text(self, model_name: Callable[[MetricsReply], str]) -> bytes:
+        """The Prometheus text of a snapshot (rendered once per snapshot and name)."""
+        reply = await self.reply()
+        name = model_name(reply)
+        rendered = self._rendered
+        if rendered is None or rendered[0] is not reply or rendered[1] != name:
+            rendered = (reply, name, render_metrics(reply, name))
+            self._rendered = rendered
+        return rendered[2]

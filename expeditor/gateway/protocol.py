@@ -10,7 +10,7 @@ are ignored, as the OpenAI API does; known features this server does not impleme
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -26,6 +26,21 @@ __all__ = [
     "TokenizeRequest",
     "decode_body",
 ]
+
+
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
+"""Token ids above this are refused by the gateway (every vocabulary is far smaller);
+the scheduler refuses those beyond the model's own vocabulary."""
+
+Int = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+"""An integer field: a signed 64-bit value, as the scheduler's messages carry (a bigger
+one is a 400 naming the field, not an encoding failure further on)."""
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of a free-form field (messages, chat_template_kwargs, ...): deeper
+ones are a 400, before a template or an encoder recurses through them. (The decoder
+itself stops near 1,000 levels: a 400 as well.)"""
 
 
 class GatewayRequestError(Exception):
@@ -53,20 +68,20 @@ class _Sampling(msgspec.Struct, kw_only=True):
     """Fields both endpoints share."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_tokens: int = 0
+    top_k: Int | None = None
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    priority: Int = 0
     return_tokens_as_token_ids: bool = False
     """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
     # known but not implemented: refused unless neutral
@@ -74,7 +89,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     include_stop_str_in_output: bool = False
 
     def _refuse_unsupported(self) -> None:
@@ -158,8 +173,8 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: str | list[Any]
     """Text, token ids, or a batch: a list of texts or of token id lists."""
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -177,13 +192,19 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise GatewayRequestError("prompt: must not be empty", param="prompt")
         if all(_is_token_id(item) for item in prompt):
             return [prompt]
+        if all(type(item) is int for item in prompt):
+            index = next(i for i, item in enumerate(prompt) if not _is_token_id(item))
+            raise GatewayRequestError(
+                f"prompt[{index}]: token ids are integers from 0 to {TOKEN_ID_MAX}",
+                param="prompt",
+            )
         for index, item in enumerate(prompt):
             if isinstance(item, str):
                 continue
             if not isinstance(item, list) or not item or not all(map(_is_token_id, item)):
                 raise GatewayRequestError(
                     f"prompt[{index}]: expected a string or a non-empty list of token ids "
-                    "(integers >= 0)",
+                    f"(integers from 0 to {TOKEN_ID_MAX})",
                     param="prompt",
                 )
         return list(prompt)
@@ -204,16 +225,25 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
 
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    FREE_FORM: ClassVar[tuple[str, ...]] = (
+        "messages",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "response_format",
+    )
+    """Fields of any shape: their nesting is checked (:data:`MAX_JSON_DEPTH`)."""
 
     @property
     def limit(self) -> int | None:
@@ -274,27 +304,52 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    FREE_FORM: ClassVar[tuple[str, ...]] = ("messages",)
+
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _is_token_id(value: object) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= TOKEN_ID_MAX
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Decode a JSON body into ``kind``; a malformed body or a wrong type is a 400 naming
     the field (``max_tokens: expected `int`, got `str```)."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        decoded = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise GatewayRequestError(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise GatewayRequestError("the body: JSON nested too deeply") from None
+    for field in getattr(kind, "FREE_FORM", ()):
+        _check_depth(getattr(decoded, field), field)
+    return decoded
+
+
+def _check_depth(value: object, field: str) -> None:
+    """400 when ``value`` nests lists and objects deeper than MAX_JSON_DEPTH."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise GatewayRequestError(
+                f"{field}: nested deeper than {MAX_JSON_DEPTH} levels", param=field
+            )
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _validation_error(text: str) -> GatewayRequestError:

@@ -1,6 +1,9 @@
 """Running the gateway: uvicorn with uvloop and httptools (the stack vLLM uses) serving
 :func:`~expeditor.gateway.app.create_app`, with sd_notify READY=1 once it listens.
 
+Connections are guarded by :mod:`expeditor.gateway.transport` (read deadlines for
+heads and bodies, a bounded head, a connection cap under the open-file limit).
+
 SIGTERM or SIGINT stops it gracefully: it stops accepting connections, answers 503 to
 new requests on open ones, and gives the requests in flight ``grace_s`` (the
 ``[server]`` ``shutdown_timeout_s``) to finish; streams still open then end with an
@@ -18,6 +21,8 @@ import uvicorn
 
 from expeditor.gateway.app import Gateway, create_app
 from expeditor.gateway.http import RawSend
+from expeditor.gateway.transport import TransportLimits, guarded_protocol, reserve_open_files
+from shared.errors import ConfigError
 from shared.gateway_config import GatewayConfig
 
 __all__ = ["run_gateway"]
@@ -79,8 +84,14 @@ def run_gateway(
     grace_s: float = 30.0,
     max_prompt_bytes: int = 1024 * 1024,
 ) -> int:
-    """Serve until stopped; the exit status."""
+    """Serve until stopped; the exit status (2 at once, the problem logged, when
+    ``max_connections`` does not fit under the open-file limit)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        reserve_open_files(config.max_connections)
+    except ConfigError as exc:
+        log.error("[gateway] %s", exc)
+        return 2
     gateway = Gateway(
         frontend, config, api_key=api_key, curve=curve, max_prompt_bytes=max_prompt_bytes
     )
@@ -90,7 +101,8 @@ def run_gateway(
             host=config.host,
             port=config.port,
             loop=_loop(),
-            http="httptools",
+            http=guarded_protocol(TransportLimits.of(config)),
+            ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,  # after drain(): what is left is stuck
