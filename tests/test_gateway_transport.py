@@ -550,3 +550,65 @@ def test_example_config_lists_the_transport_limits() -> None:
         "max_connections", "metrics_interval_s", "api_docs",
     ):  # fmt: skip
         assert f"\n{field} = " in text, field
+
+
+def test_expeditor_gateway_serves_with_these_limits(tmp_path: Path) -> None:
+    """The real process (``expeditor gateway``, no scheduler needed for this): its
+    connections are the guarded ones, configured from the flags."""
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "expeditor", "gateway",
+            "--frontend", f"ipc://{tmp_path}/nowhere.sock", "--port", str(port),
+            "--header-timeout-s", "0.5", "--max-header-bytes", "4096",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the gateway did not listen"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        with _connect(port) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            status, error = _error(_read_until_closed(sock))
+            assert status == 408 and "header_timeout_s=0.5 s" in error["message"]
+        with _connect(port) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 5000)
+            status, error = _error(_read_until_closed(sock))
+            assert status == 431 and "max_header_bytes=4096" in error["message"]
+        assert _get(port, "/openapi.json")[0] == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_connection_cap_over_the_open_file_limit_refuses_to_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    too_many = 10**9 if hard == resource.RLIM_INFINITY else hard
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "expeditor", "gateway",
+            "--frontend", f"ipc://{tmp_path}/nowhere.sock", "--port", "1",
+            "--max-connections", str(too_many),
+        ],
+        capture_output=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    err = done.stderr.decode()
+    assert f"max_connections: {too_many} connections need" in err and "LimitNOFILE=" in err

@@ -74,18 +74,22 @@ def reserve_open_files(max_connections: int) -> int:
     is too low."""
     needed = max_connections + FD_HEADROOM
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        if hard != resource.RLIM_INFINITY and hard < needed:
-            raise ConfigError(
-                f"max_connections: {max_connections} connections need {needed} open files "
-                f"({FD_HEADROOM} beyond the connections), but the open-file limit is "
-                f"{hard}; lower max_connections or raise the limit (LimitNOFILE= in the "
-                "systemd unit, ulimit -n)",
-                field="max_connections",
-            )
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    refusal = ConfigError(
+        f"max_connections: {max_connections} connections need {needed} open files "
+        f"({FD_HEADROOM} beyond the connections), but the open-file limit is "
+        f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}; lower "
+        "max_connections or raise the limit (LimitNOFILE= in the systemd unit, ulimit -n)",
+        field="max_connections",
+    )
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise refusal
+    try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-        soft = needed
-    return soft
+    except (ValueError, OSError):  # beyond the kernel's own ceiling (fs.nr_open)
+        raise refusal from None
+    return needed
 
 
 class _TooManyHeaders(Exception):
