@@ -52,7 +52,14 @@ from ipc.schema import (
     ServerMessage,
     server_decoder,
 )
-from ipc.stream import AsyncStream, ClientCompletion, Event, Failure, generate_message
+from ipc.stream import (
+    AsyncStream,
+    ClientCompletion,
+    Event,
+    Failure,
+    RepliesLostError,
+    generate_message,
+)
 from ipc.waiters import (
     DEFAULT_TIMEOUT,
     ControlEntry,
@@ -75,6 +82,7 @@ __all__ = [
     "ClientCompletion",
     "ClientTimeoutError",
     "OverloadedError",
+    "RepliesLostError",
     "RequestRejectedError",
     "ServerError",
     "ServerUnavailableError",
@@ -100,10 +108,15 @@ class AsyncClient:
     server's ``client_timeout_s``. Every frame from the server is a sign of life; when
     none came for ``server_timeout_s`` seconds (counted only while calls wait; it must
     exceed ``ping_interval``) every waiting call raises
-    :class:`~ipc.errors.ServerUnavailableError`, even one with ``timeout=None``. The
-    client stays usable afterwards. ``identity`` sets the socket's routing id (default:
-    one chosen by ZeroMQ). The client binds to the event loop of its first call; use it
-    from that loop only. ::
+    :class:`~ipc.errors.ServerUnavailableError`, even one with ``timeout=None``. Silence
+    is counted only while the client could listen: a stretch during which its event loop
+    was blocked counts as at most ``ping_interval`` (the server had no ping to answer,
+    and its frames wait in the socket), so a busy caller does not fail its own calls.
+    The client asks the server to number its replies; a gap in the numbers (a reply
+    lost on the way) fails every waiting call with :class:`RepliesLostError` rather than
+    leaving one to wait for ever. The client stays usable afterwards. ``identity`` sets
+    the socket's routing id (default: one chosen by ZeroMQ). The client binds to the
+    event loop of its first call; use it from that loop only. ::
 
         async with AsyncClient("ipc:///run/expeditor/frontend.sock", timeout=30) as client:
             results = await asyncio.gather(
@@ -146,6 +159,19 @@ class AsyncClient:
         self._last_heard = 0.0
         """Loop time of the last frame from the server, or of the end of the last idle
         period (nothing waiting), whichever is later."""
+        self._silent_s = 0.0
+        """Time the client listened (calls waiting, its loop not blocked) since
+        ``_last_heard``: what :meth:`_ping_loop` compares with ``server_timeout_s``."""
+        self._next_number = 0
+        """The number the server's next numbered reply must carry."""
+        self._busy_period = 0
+        """Counts idle -> waiting transitions; ``_numbered_period`` is the one in which
+        the last numbered reply came (a restart of the numbers after an idle period is
+        the server having forgotten an idle client, not a loss)."""
+        self._numbered_period = 0
+        self._announce = False
+        """The next call's frame goes after a ``Ping(sequenced=True)``: the server forgets
+        a client idle past its ``client_timeout_s``, numbering included."""
         self._stuck_sends: set[asyncio.Future[None]] = set()
         """Sends waiting on a full socket; ``_fail_all`` makes them give up."""
         self._abort_waiters: dict[str, deque[asyncio.Future[AbortAck]]] = {}
@@ -180,13 +206,16 @@ class AsyncClient:
         priority: int = 0,
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
+        user: str = "",
         **sampling_fields: Any,
     ) -> ClientCompletion:
         """Run one request to the end and return its :class:`ClientCompletion`.
 
         Exactly one of ``prompt`` (text) and ``prompt_token_ids`` (else ``ValueError``).
-        ``request_id`` defaults to a fresh uuid4 hex. Sampling is either ``sampling``
-        or :class:`SamplingParams` fields as keywords::
+        ``request_id`` defaults to a fresh uuid4 hex. ``user`` names the end user a
+        shared client sends it for (fair share and the per-user cap count per user;
+        "" = this client). Sampling is either ``sampling`` or :class:`SamplingParams`
+        fields as keywords::
 
             completion = await client.generate("2 + 2 =", max_tokens=4, temperature=0)
             completion = await client.generate(prompt_token_ids=[1, 15, 7], n=2, seed=1)
@@ -194,7 +223,14 @@ class AsyncClient:
         stream = AsyncStream(
             self,
             generate_message(
-                prompt, prompt_token_ids, request_id, priority, sampling, sampling_fields, False
+                prompt,
+                prompt_token_ids,
+                request_id,
+                priority,
+                sampling,
+                sampling_fields,
+                False,
+                user,
             ),
             self._timeout(timeout),
             operation="generate",
@@ -213,6 +249,7 @@ class AsyncClient:
         priority: int = 0,
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
+        user: str = "",
         **sampling_fields: Any,
     ) -> AsyncStream:
         """Start a streaming request: same arguments as :meth:`generate`; returns an
@@ -227,7 +264,14 @@ class AsyncClient:
         return AsyncStream(
             self,
             generate_message(
-                prompt, prompt_token_ids, request_id, priority, sampling, sampling_fields, True
+                prompt,
+                prompt_token_ids,
+                request_id,
+                priority,
+                sampling,
+                sampling_fields,
+                True,
+                user,
             ),
             self._timeout(timeout),
         )
@@ -273,7 +317,7 @@ class AsyncClient:
         """Round trip to the server in seconds (a liveness check)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        await self._control(Ping(), Pong, timeout, "ping")
+        await self._control(Ping(sequenced=True), Pong, timeout, "ping")
         return loop.time() - start
 
     async def close(self) -> None:
@@ -325,6 +369,9 @@ class AsyncClient:
         for long) gives up, the frame unsent, when :meth:`_fail_all` runs: the caller's
         call has failed then, which it finds out next."""
         assert self._socket is not None
+        if self._announce:
+            self._announce = False
+            self._send_nowait(Ping(sequenced=True))
         await send(self._socket, message, self._stuck_sends)
 
     def _send_nowait(self, message: ClientMessage) -> None:
@@ -348,6 +395,9 @@ class AsyncClient:
         assert self._loop is not None
         if not self._waiting():
             self._last_heard = self._loop.time()
+            self._silent_s = 0.0
+            self._busy_period += 1
+            self._announce = True
         self._work.set()
 
     def _waiting(self) -> bool:
@@ -405,8 +455,11 @@ class AsyncClient:
             while True:
                 frames = await socket.recv_multipart()
                 self._last_heard = asyncio.get_running_loop().time()  # any frame: alive
+                self._silent_s = 0.0
+                if len(frames) == 2:
+                    self._check_number(frames[1])
                 try:
-                    message = server_decoder.decode(frames[-1])
+                    message = server_decoder.decode(frames[0])
                 except (msgspec.DecodeError, msgspec.ValidationError) as error:
                     logger.warning("dropping a frame from %s: %s", self.address, error)
                     continue
@@ -424,6 +477,33 @@ class AsyncClient:
                 if task is not asyncio.current_task():
                     task.cancel()
             socket.close(linger=0)
+
+    def _check_number(self, frame: bytes) -> None:
+        """The number of a reply: a gap, or numbers started afresh while the same calls
+        waited, fails every waiting call (any of them may have lost its reply)."""
+        number = int.from_bytes(frame, "big")
+        expected, self._next_number = self._next_number, number + 1
+        same_period = self._numbered_period == self._busy_period
+        self._numbered_period = self._busy_period
+        if number == expected:
+            return
+        if number == 0:
+            if not same_period:
+                return  # the server forgot this client while it was idle: nothing lost
+            detail = "the server numbered its replies afresh (it restarted or took us as gone)"
+        elif number > expected:
+            detail = f"{number - expected} missing (got number {number}, expected {expected})"
+        else:
+            detail = f"reply number {number} came after {expected - 1}"
+        self._lose_all(detail)
+
+    def _lose_all(self, detail: str) -> None:
+        """Fail every waiting call with :class:`RepliesLostError`; abort their requests."""
+        logger.warning("replies from %s were lost: %s", self.address, detail)
+        abandoned = list(self._requests)
+        self._fail_all(functools.partial(RepliesLostError, self.address, detail))
+        for request_id in abandoned:
+            self._send_nowait(Abort(request_id=request_id))
 
     def _dispatch(self, message: ServerMessage) -> None:
         if isinstance(message, DeltaBatch):
@@ -474,26 +554,48 @@ class AsyncClient:
         never waiting: the frames wait in the socket for a server that comes back).
         Sleeps while nothing waits."""
         loop = asyncio.get_running_loop()
-        next_ping = loop.time() + self.ping_interval
+        next_ping = looked = loop.time() + self.ping_interval
         while True:
             if not self._waiting():
                 self._work.clear()
                 await self._work.wait()
                 next_ping = loop.time() + self.ping_interval
+                looked = loop.time()
                 continue
             now = loop.time()
-            silent_s = now - self._last_heard
-            if silent_s >= self.server_timeout_s:
+            self._count_silence(now, looked)
+            looked = now
+            if self._silent_s >= self.server_timeout_s:
+                # Frames may wait in the socket behind a blocked loop: let the receiver
+                # take them before deciding.
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                if self._last_heard >= now:
+                    continue
+                silent_s = self._silent_s
                 logger.warning("no answer from %s for %.1f s", self.address, silent_s)
                 abandoned = list(self._requests)
                 self._fail_all(functools.partial(ServerUnavailableError, self.address, silent_s))
                 for request_id in abandoned:  # in case the server was only stalled
                     self._send_nowait(Abort(request_id=request_id))
+                self._silent_s = 0.0
                 continue
             if now >= next_ping:
-                self._send_nowait(Ping())
+                self._send_nowait(Ping(sequenced=True))
                 next_ping = now + self.ping_interval
-            await asyncio.sleep(min(next_ping, self._last_heard + self.server_timeout_s) - now)
+            await asyncio.sleep(
+                max(0.0, min(next_ping - now, self.server_timeout_s - self._silent_s))
+            )
+
+    def _count_silence(self, now: float, looked: float) -> None:
+        """Add the time since the pinger last looked (``looked``) to ``_silent_s``, at
+        most ``ping_interval`` of it: the pinger looks at least that often unless the
+        event loop was blocked, and time the loop was blocked proves nothing (no ping
+        went out to be answered; what came waits in the socket)."""
+        if self._last_heard > looked:  # heard since: count from the last frame
+            self._silent_s = min(now - self._last_heard, self.ping_interval)
+        else:
+            self._silent_s += min(now - looked, self.ping_interval)
 
     def _fail_all(self, failure: Callable[[], Failure]) -> None:
         """Fail every waiting call, each with its own ``failure()``."""

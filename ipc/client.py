@@ -55,6 +55,7 @@ from ipc.async_client import (
     AsyncClient,
     AsyncStream,
     ClientCompletion,
+    RepliesLostError,
     Timeout,
 )
 from ipc.errors import (
@@ -86,6 +87,7 @@ __all__ = [
     "InternalServerError",
     "OverloadedError",
     "QuarantinedError",
+    "RepliesLostError",
     "RequestRejectedError",
     "ServerError",
     "ServerUnavailableError",
@@ -216,6 +218,7 @@ class Client:
         priority: int = 0,
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
+        user: str = "",
         **sampling_fields: Any,
     ) -> ClientCompletion:
         """See :meth:`AsyncClient.generate`."""
@@ -227,6 +230,7 @@ class Client:
                 priority=priority,
                 timeout=timeout,
                 sampling=sampling,
+                user=user,
                 **sampling_fields,
             )
         )
@@ -240,6 +244,7 @@ class Client:
         priority: int = 0,
         timeout: Timeout = DEFAULT_TIMEOUT,
         sampling: SamplingParams | None = None,
+        user: str = "",
         **sampling_fields: Any,
     ) -> Stream:
         """See :meth:`AsyncClient.stream`; returns a plain iterator of Delta events."""
@@ -252,6 +257,7 @@ class Client:
             priority=priority,
             timeout=timeout,
             sampling=sampling,
+            user=user,
             **sampling_fields,
         )
         return Stream(self, stream)

@@ -39,6 +39,7 @@ __all__ = [
     "ClientCompletion",
     "Event",
     "Failure",
+    "RepliesLostError",
     "StreamClient",
     "generate_message",
 ]
@@ -79,6 +80,22 @@ class ClientCompletion(msgspec.Struct, frozen=True, kw_only=True):
             usage=finished.usage,
             timings=finished.timings,
         )
+
+
+class RepliesLostError(ServerUnavailableError):
+    """Replies of the server to this client were lost on the way (a gap in their
+    numbers), or the server started numbering afresh while calls waited (it restarted,
+    or took this client as gone): every call that was waiting fails with this, since
+    any of them may have lost its reply. A 503 in the gateway, like a silent server."""
+
+    def __init__(self, address: str, detail: str) -> None:
+        ConnectionError.__init__(self, f"replies from the server at {address} were lost: {detail}")
+        self.address = address
+        self.silent_s = 0.0
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.address, self.detail))
 
 
 Failure = ClientClosedError | ServerUnavailableError
@@ -280,6 +297,7 @@ def generate_message(
     sampling: SamplingParams | None,
     sampling_fields: dict[str, Any],
     stream: bool,
+    user: str = "",
 ) -> Generate:
     """Check the arguments of generate/stream and build the Generate frame."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -296,6 +314,8 @@ def generate_message(
         raise ValueError(f"request_id: expected a non-empty string, got {request_id!r}")
     if type(priority) is not int:
         raise ValueError(f"priority: expected an integer, got {priority!r}")
+    if not isinstance(user, str):
+        raise ValueError(f"user: expected a string, got {type(user).__name__}")
     if sampling is None:
         sampling = SamplingParams.from_dict(sampling_fields)
     elif sampling_fields:
@@ -307,4 +327,5 @@ def generate_message(
         sampling=sampling,
         priority=priority,
         stream=stream,
+        user=user,
     )

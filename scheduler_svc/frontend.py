@@ -11,7 +11,12 @@ refused before tokenizing; long ones are tokenized on a thread, off the event lo
 
 Each request belongs to the client that sent it: its CURVE public key when the socket
 authenticates clients (the ZAP ``User-Id``), else its connection. Only the owner may
-abort it, and fair-share admission counts requests per owner.
+abort it. Fair-share admission and the ``max_queued_per_user`` cap count requests per
+(owner, ``Generate.user``): a shared client such as the HTTP gateway names the end user
+of each request, so its users are served round-robin like separate clients.
+
+Replies go out through a :class:`~scheduler_svc.reply_outbox.ReplyOutbox`: none is lost
+silently (a full pipe holds them back, bounded; numbered replies show a client any gap).
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ from ipc.schema import (
     Pong,
     ServerMessage,
     client_decoder,
-    encode,
 )
 from scheduler_svc.introspection import snapshot
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
+from scheduler_svc.reply_outbox import ReplyOutbox
 from scheduler_svc.request import RejectedError
 
 if TYPE_CHECKING:
@@ -96,6 +101,12 @@ def frame_owner(frame: zmq.Frame, identity: bytes) -> bytes:
     return b"key:" + user_id.encode() if user_id else identity
 
 
+def fair_share_client(owner: bytes, user: str) -> str:
+    """The name fair share and the per-user cap count a request under: its owner, and
+    the end user it names if any."""
+    return owner.hex() if not user else f"{owner.hex()}/{user}"
+
+
 class Frontend:
     """The client socket of the daemon and every request on it, from Generate to the
     last reply. Requests that arrive before the core exists wait in ``backlog`` until
@@ -117,6 +128,7 @@ class Frontend:
         wakes the step loop, ``finish_seq`` ends a sample a stop string stopped,
         ``step_times`` is where the steps' time went (for inspect)."""
         self.socket = socket
+        self.outbox = ReplyOutbox(socket, server.max_reply_backlog_bytes, self._client_overflowed)
         self.server = server
         self.config = config
         self.registry = registry
@@ -145,11 +157,21 @@ class Frontend:
             self._submit(request, msg)
 
     def send(self, identity: bytes, message: ServerMessage) -> None:
-        """Never blocks: a client that cannot take more loses the message (logged)."""
-        try:
-            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped a %s for a client that is not reading", type(message).__name__)
+        """Never blocks: a reply a client cannot take yet waits in its bounded backlog."""
+        self.outbox.send(identity, message)
+
+    def _client_overflowed(self, identity: bytes) -> None:
+        """``identity`` read nothing while its backlog grew past the limit: its replies
+        were dropped (it sees the gap); stop working for it."""
+        limit = self.server.max_reply_backlog_bytes
+        for request_id, request in list(self.outputs.requests.items()):
+            if request.client == identity:
+                self.end_request(
+                    request_id,
+                    ErrorCode.INTERNAL,
+                    f"replies to this client were dropped: it read none while more than "
+                    f"max_reply_backlog_bytes={limit} waited",
+                )
 
     async def run(self) -> None:
         """Serve client frames until cancelled."""
@@ -190,6 +212,8 @@ class Frontend:
         elif isinstance(message, Metrics):
             self.send(identity, self._metrics())
         elif isinstance(message, Ping):
+            if message.sequenced:
+                self.outbox.sequence(identity)
             self.send(identity, Pong())
 
     def _refuse(
@@ -280,10 +304,10 @@ class Frontend:
     def _admit(self, request: ClientRequest, msg: Generate, prompt: list[int]) -> None:
         assert self.core is not None
         rid = request.request_id
+        client = fair_share_client(request.owner, msg.user)
         try:
-            self.core.add_request(
-                rid, prompt, msg.sampling, priority=msg.priority, client=request.owner.hex()
-            )
+            self._check_user_cap(client, msg.user)
+            self.core.add_request(rid, prompt, msg.sampling, priority=msg.priority, client=client)
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
             return self._refuse(request.client, rid, exc.code, exc.message)
@@ -291,6 +315,23 @@ class Frontend:
         self.send(request.client, Accepted(request_id=rid, prompt_token_ids=prompt))
         self.wake.set()
         return None
+
+    def _check_user_cap(self, client: str, user: str) -> None:
+        """Refuse (overloaded) a request of a user who already has ``max_queued_per_user``
+        unfinished requests (waiting or running)."""
+        assert self.core is not None
+        config = self.core.config
+        cap = config.max_queued_per_user
+        if cap is None:
+            cap = max(1, config.max_waiting_requests // 4)
+        held = self.core.fair_share.unfinished(client)
+        if held >= cap:
+            who = f"user {user!r}" if user else "this client"
+            raise RejectedError(
+                ErrorCode.OVERLOADED,
+                f"{who} has {held} requests queued or running; the server takes at most "
+                f"max_queued_per_user={cap} per user; retry later",
+            )
 
     def _abort(self, identity: bytes, owner: bytes, request_id: str) -> None:
         """Only the owner may abort; a repeat, or an abort of a request that already
@@ -397,3 +438,4 @@ class Frontend:
                 self.end_request(request_id)
         for client in silent:
             del self.clients[client]
+            self.outbox.forget(client)

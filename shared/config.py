@@ -156,6 +156,18 @@ class SchedulerConfig(Settings, frozen=True):
             description="Fixed cost (ms) of one swap-out/swap-in round trip in the cost model.",
         ),
     ] = 0.5
+    max_queued_per_user: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="Most unfinished requests (waiting or running) one user may "
+                "have: a client, or an end user a gateway names; beyond, overloaded (429). "
+                "Unset = a quarter of max_waiting_requests.",
+            ),
+        ]
+        | None
+    ) = None
 
     def watermark_blocks(self, num_gpu_blocks: int) -> int:
         """GPU blocks held back from admission out of a pool of ``num_gpu_blocks``."""

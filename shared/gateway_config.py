@@ -186,6 +186,14 @@ class GatewayConfig(Settings, frozen=True):
             "one is set); off by default."
         ),
     ] = False
+    min_client_priority: Annotated[
+        int,
+        Meta(
+            description="The most urgent priority a client may ask for (lower values are "
+            "served first under --policy priority); a lower one gets 400 naming priority. "
+            "0 = clients may only ask for less urgency than the default.",
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -188,6 +188,15 @@ class ServerConfig(Settings, frozen=True):
             "submit, inspect and abort requests."
         ),
     ] = False
+    max_reply_backlog_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Replies held back for one client whose pipe is full (it reads "
+            "nothing), in bytes; beyond, they are dropped (the client sees the gap) and its "
+            "requests aborted.",
+        ),
+    ] = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -110,6 +110,8 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("prefill_tokens_per_s", math.inf),
     ("swap_overhead_ms", -0.1),
     ("swap_overhead_ms", math.nan),
+    ("max_queued_per_user", 0),
+    ("max_queued_per_user", "many"),
 ]
 
 
@@ -432,6 +434,7 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         swap_bandwidth_gbps=1e20,
         prefill_tokens_per_s=0.3,
         swap_overhead_ms=0.0,
+        max_queued_per_user=7,
     )
     assert all(getattr(cfg, name) != getattr(SchedulerConfig(), name) for name in SCHEDULER_FIELDS)
     path = write_config(tmp_path, config_to_toml(cfg))

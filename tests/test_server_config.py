@@ -179,6 +179,7 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("curve_client_key", 1),
     ("curve_authorized_clients", b"keys"),
     ("insecure_tcp", 1),
+    ("max_reply_backlog_bytes", 0),
 ]
 
 
@@ -264,6 +265,7 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
         curve_client_key="c.key_secret",
         curve_authorized_clients="ok",
         insecure_tcp=True,
+        max_reply_backlog_bytes=1 << 20,
     )
     assert all(getattr(cfg, name) != getattr(ServerConfig(), name) for name in SERVER_FIELDS)
     text = server_config_to_toml(cfg)

@@ -35,6 +35,7 @@ from expeditor.gateway.http import (
     read_body,
     unless_gone,
 )
+from expeditor.gateway.identity import check_priority, end_user
 from expeditor.gateway.metrics import MetricsCache
 from expeditor.gateway.model import ServedModel
 from expeditor.gateway.protocol import (
@@ -250,7 +251,9 @@ def create_app(gateway: Gateway) -> FastAPI:
                 "the gateway is shutting down", status=503, kind="ServiceUnavailableError"
             )
         body, model = await _open(request, kind)
+        check_priority(body.priority, gateway.config.min_client_priority)
         handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
+        handler.user = end_user(request, gateway.api_key is not None)
         await handler.prepare()
         gateway.active += 1
         streaming = False

@@ -80,6 +80,8 @@ class _Handler:
         self.model = model
         self.body = body
         self.response_id = response_id
+        self.user = ""
+        """The end user the scheduler counts its requests under (set by the app)."""
         self.created = int(time.time())
         self.params = SamplingParams()
         self.prompts: list[Prompt] = []
@@ -110,6 +112,7 @@ class _Handler:
             priority=self.body.priority,
             sampling=self.params,
             timeout=None,
+            user=self.user,
         )
 
     async def complete(self) -> dict[str, Any]:
@@ -220,6 +223,7 @@ class _Handler:
             priority=self.body.priority,
             sampling=self.params,
             timeout=None,
+            user=self.user,
         )
         async with stream:  # leaving early (disconnect, error) aborts the request
             async for delta in stream:
