@@ -22,8 +22,6 @@ silently (a full pipe holds them back, bounded; numbered replies show a client a
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +55,7 @@ from scheduler_svc.introspection import snapshot
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
 from scheduler_svc.reply_outbox import ReplyOutbox
 from scheduler_svc.request import RejectedError
+from shared.memory import malloc_trim
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -72,17 +71,6 @@ log = logging.getLogger("expeditor.scheduler")
 INLINE_TOKENIZE_CHARS = 16_384
 """Text prompts up to this many characters are tokenized on the event loop (fast); longer
 ones on a thread, so a big prompt never delays other clients' steps."""
-
-_libc_name = ctypes.util.find_library("c")
-_LIBC = ctypes.CDLL(_libc_name) if _libc_name else None
-if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):  # not glibc
-    _LIBC = None
-
-
-def _malloc_trim() -> None:
-    """Hand freed heap back to the OS (glibc keeps a big tokenization's pages otherwise)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def _describe(exc: BaseException) -> str:
@@ -296,7 +284,7 @@ class Frontend:
         try:
             prompt = await asyncio.to_thread(self._tokenize, msg)
         finally:
-            _malloc_trim()
+            malloc_trim()
         # Not aborted meanwhile (its RequestEnded may still wait for the output task).
         if self.outputs.requests.get(request.request_id) is request and not request.ending:
             self._admit(request, msg, prompt)

@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 from hf_reference import hf_greedy
+from idle import wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
@@ -106,20 +107,6 @@ def _one(samples: dict[str, float], prefix: str) -> float:
     found = [v for k, v in samples.items() if k.startswith(prefix)]
     assert len(found) == 1, (prefix, found)
     return found[0]
-
-
-def _wait_idle(frontend: str) -> None:
-    """Until the scheduler holds no sequence; asserts every device block is free."""
-    with Client(frontend, timeout=10) as client:
-        deadline = time.monotonic() + 20
-        while True:
-            snap = client.inspect().snapshot
-            assert snap is not None
-            if not snap.seqs:
-                break
-            assert time.monotonic() < deadline, f"requests still held: {snap.seqs}"
-            time.sleep(0.05)
-        assert snap.gpu_blocks.free == snap.gpu_blocks.total
 
 
 # -- outputs -----------------------------------------------------------------------------
@@ -409,7 +396,7 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             sock.close()
-    _wait_idle(frontend)
+    wait_idle(frontend)
     after = _one(_metrics(url), "expeditor:request_success_total{finished_reason=abort")
     assert after == before + 1
 
@@ -513,7 +500,7 @@ def test_tokenize_detokenize_models_health(server, model_name, model) -> None:
 
 def test_metrics_move_with_traffic_from_http_and_zmq(server, sync_client, model_name) -> None:
     frontend, url, _ = server
-    _wait_idle(frontend)
+    wait_idle(frontend)
     names = {f.name for f in text_string_to_metric_families(_get(url, "/metrics")[1].decode())}
     for name in (
         "num_requests_running", "num_requests_waiting", "num_requests_swapped",
@@ -628,7 +615,7 @@ def test_a_full_queue_answers_429_overloaded(guarded) -> None:
     served = [r for r in results if not isinstance(r, BaseException)]
     assert refused and served and len(refused) + len(served) == 6, results
     assert all(r.body["type"] == "overloaded" for r in refused)
-    _wait_idle(guarded[0])
+    wait_idle(guarded[0])
 
 
 def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, tmp_path) -> None:
@@ -672,7 +659,7 @@ def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, 
     assert b'"message": "the gateway is shutting down"' in got
     assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the last event, then the end
     assert b"Traceback" not in log.read_bytes()
-    _wait_idle(frontend)
+    wait_idle(frontend)
 
 
 def test_shutting_down_answers_503_and_requests_in_flight_finish(guarded_alone) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from idle import wait_idle
 
 from expeditor.gateway.chat import RESERVED_NAMES, ChatTemplate, render_messages
 from expeditor.gateway.fanout import fan_out
@@ -223,19 +224,6 @@ def _post(url: str, path: str, body: object, timeout: float = 120) -> tuple[int,
     return reply.status, payload
 
 
-def _wait_idle(frontend: str) -> None:
-    with Client(frontend, timeout=10) as client:
-        deadline = time.monotonic() + 30
-        while True:
-            snap = client.inspect().snapshot
-            assert snap is not None
-            if not snap.seqs:
-                break
-            assert time.monotonic() < deadline, f"requests still held: {snap.seqs}"
-            time.sleep(0.05)
-        assert snap.gpu_blocks.free == snap.gpu_blocks.total
-
-
 def _gateway_pid(serve_pid: int) -> int:
     """The gateway process under ``serve`` (a descendant whose command names it)."""
     children: dict[int, list[int]] = {}
@@ -301,7 +289,7 @@ def test_normal_users_finish_while_a_max_size_batch_is_served(served) -> None:
     assert big[0] == 200 and len(big[1]["choices"]) == 256
     assert [s for s, _ in small] == [200] * 8
     assert all(b["usage"]["completion_tokens"] == 4 for _, b in small)
-    _wait_idle(frontend)
+    wait_idle(frontend)
 
 
 def test_echo_amplification_is_refused_before_any_work(served) -> None:
@@ -357,7 +345,7 @@ def test_a_stream_its_client_never_reads_is_aborted_and_memory_stays_bounded(ser
         while not client.inspect().snapshot.seqs:  # running
             assert time.monotonic() < deadline
             time.sleep(0.02)
-    _wait_idle(frontend)
+    wait_idle(frontend)
     status, metrics = 0, ""
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("GET", "/metrics")

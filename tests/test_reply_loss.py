@@ -8,17 +8,15 @@ blocked longer than its ``server_timeout_s`` does not fail its own calls."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 import zmq
 import zmq.asyncio
 from blocking import SAFETY_S
+from frontend_bench import Bench, running_frontend
 
 from ipc.async_client import AsyncClient, RepliesLostError
 from ipc.schema import (
@@ -33,65 +31,8 @@ from ipc.schema import (
     encode,
     server_decoder,
 )
-from scheduler_svc.frontend import Frontend
-from scheduler_svc.outputs import RequestEnded, StepEvents
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.workers import WorkerRegistry
-from shared.config import SchedulerConfig
 from shared.outputs import Completion, CompletionSample, FinishReason
 from shared.server_config import ServerConfig
-
-
-@dataclass
-class _Encoding:
-    ids: list[int]
-
-
-class _Tokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
-        return _Encoding([1, 5, 5])
-
-
-@dataclass
-class Bench:
-    frontend: Frontend
-    context: zmq.asyncio.Context
-    address: str
-
-
-@contextlib.asynccontextmanager
-async def running_frontend(
-    server: ServerConfig | None = None, *, sndhwm: int = 1000
-) -> AsyncIterator[Bench]:
-    """The real frontend on an in-process ROUTER (no steps run: requests stay queued)."""
-    context = zmq.asyncio.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.SNDHWM, sndhwm)  # before bind: pipes take it when created
-    address = "inproc://reply-loss"
-    router.bind(address)
-    config = SchedulerConfig(num_gpu_blocks=64, max_model_len=64)
-    events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
-    frontend = Frontend(
-        router,
-        server or ServerConfig(),
-        config,
-        WorkerRegistry(1, 5.0),
-        events,
-        asyncio.Event(),
-        lambda seq_id: None,
-    )
-    core = Scheduler(config, eos_token_ids=[2], kv_bytes_per_block=1)
-    frontend.attach(core, "model", _Tokenizer())  # type: ignore[arg-type]
-    task = asyncio.create_task(frontend.run())
-    try:
-        yield Bench(frontend, context, address)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        frontend.outbox.close()
-        router.close(linger=0)
-        context.term()
 
 
 def _client(bench: Bench, **options: float) -> AsyncClient:
@@ -170,7 +111,7 @@ def test_a_client_that_reads_nothing_past_the_bound_has_its_requests_aborted(
 
     async def main() -> None:
         server = ServerConfig(max_reply_backlog_bytes=4096)
-        async with running_frontend(server, sndhwm=2) as bench:
+        async with running_frontend(server=server, sndhwm=2) as bench:
             frontend = bench.frontend
             async with _client(bench) as client:
                 task = asyncio.ensure_future(

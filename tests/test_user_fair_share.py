@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from blocking import SAFETY_S
+from frontend_bench import Bench, running_frontend
 from starlette.requests import Request
 
 from expeditor.gateway.identity import check_priority, end_user
@@ -31,28 +32,24 @@ from ipc.schema import (
     server_decoder,
 )
 from scheduler_svc.frontend import Frontend
-from scheduler_svc.outputs import RequestEnded, StepEvents
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.workers import WorkerRegistry
 from shared.config import SchedulerConfig
-from shared.server_config import ServerConfig
 
 
 @dataclass
-class _Encoding:
-    ids: list[int]
+class Connection:
+    """One client connection to the bench's frontend (as the gateway is one)."""
 
-
-class _Tokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
-        return _Encoding([1, 5])
-
-
-@dataclass
-class Bench:
-    frontend: Frontend
-    core: Scheduler
+    bench: Bench
     dealer: zmq.asyncio.Socket
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.bench.frontend
+
+    @property
+    def core(self) -> Scheduler:
+        return self.bench.core
 
     async def generate(self, request_id: str, user: str) -> ServerMessage:
         message = Generate(request_id=request_id, prompt_token_ids=[1, 7, 7], user=user)
@@ -61,35 +58,14 @@ class Bench:
 
 
 @contextlib.asynccontextmanager
-async def frontend_with(config: SchedulerConfig) -> AsyncIterator[Bench]:
-    """The real frontend and core on an in-process socket, one client connection (no
-    steps run: the test plans them with ``core.schedule()``)."""
-    context = zmq.asyncio.Context()
-    router = context.socket(zmq.ROUTER)
-    router.bind("inproc://fair")
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect("inproc://fair")
-    frontend = Frontend(
-        router,
-        ServerConfig(),
-        config,
-        WorkerRegistry(1, 5.0),
-        asyncio.Queue[StepEvents | RequestEnded](),
-        asyncio.Event(),
-        lambda seq_id: None,
-    )
-    core = Scheduler(config, eos_token_ids=[2], kv_bytes_per_block=1)
-    frontend.attach(core, "model", _Tokenizer())  # type: ignore[arg-type]
-    task = asyncio.create_task(frontend.run())
-    try:
-        yield Bench(frontend, core, dealer)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        frontend.outbox.close()
-        dealer.close(linger=0)
-        router.close(linger=0)
-        context.term()
+async def frontend_with(config: SchedulerConfig) -> AsyncIterator[Connection]:
+    async with running_frontend(config) as bench:
+        dealer = bench.context.socket(zmq.DEALER)
+        dealer.connect(bench.address)
+        try:
+            yield Connection(bench, dealer)
+        finally:
+            dealer.close(linger=0)
 
 
 def test_a_light_user_is_admitted_before_a_heavy_users_backlog_on_one_connection() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -408,26 +408,21 @@ def _add_api_docs(app: FastAPI, gateway: Gateway) -> None:
     """/openapi.json, /docs and /redoc ([gateway] api_docs), behind the API key."""
     from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> Response:
-        async def work() -> Response:
-            check_api_key(request, gateway.api_key)
-            return _json(app.openapi())
+    pages: dict[str, Callable[[], Response]] = {
+        "/openapi.json": lambda: _json(app.openapi()),
+        "/docs": lambda: get_swagger_ui_html(openapi_url="/openapi.json", title="expeditor"),
+        "/redoc": lambda: get_redoc_html(openapi_url="/openapi.json", title="expeditor"),
+    }
 
-        return await _answer(work())
+    def route(page: Callable[[], Response]) -> Callable[[Request], Awaitable[Response]]:
+        async def serve(request: Request) -> Response:
+            async def work() -> Response:
+                check_api_key(request, gateway.api_key)
+                return page()
 
-    @app.get("/docs", include_in_schema=False)
-    async def docs(request: Request) -> Response:
-        async def work() -> Response:
-            check_api_key(request, gateway.api_key)
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="expeditor")
+            return await _answer(work())
 
-        return await _answer(work())
+        return serve
 
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request) -> Response:
-        async def work() -> Response:
-            check_api_key(request, gateway.api_key)
-            return get_redoc_html(openapi_url="/openapi.json", title="expeditor")
-
-        return await _answer(work())
+    for path, page in pages.items():
+        app.add_api_route(path, route(page), methods=["GET"], include_in_schema=False)
