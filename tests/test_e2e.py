@@ -704,9 +704,14 @@ def test_serve_that_cannot_serve_exits_non_zero(tmp_path: Path) -> None:
 HUNG_WORKER = """
 import os, sys, time, zmq
 from ipc.schema import Heartbeat, WorkerHello, WorkerJoin, control_decoder, encode
+from shared.procinfo import host_id, process_start_time
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect(sys.argv[1])
-sock.send(encode(WorkerJoin(rank=0, pid=os.getpid(), device="cpu")))
+# As a real worker does: its host and start time let the scheduler kill it safely.
+sock.send(encode(WorkerJoin(
+    rank=0, pid=os.getpid(), device="cpu", host=host_id(),
+    start_time=process_start_time(os.getpid()) or 0,
+)))
 setup = control_decoder.decode(sock.recv())
 sock.send(encode(WorkerHello(
     rank=0, pid=os.getpid(), device="cpu", num_gpu_blocks=64, kv_bytes_per_block=1024,

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -293,8 +294,8 @@ def test_abort_semantics_and_ownership(server) -> None:
 
 
 def test_a_light_client_is_not_starved_by_a_heavy_one(server) -> None:
-    """max_num_seqs is 4. A heavy client queues 40 long streams; a light client's short
-    requests sent afterwards finish while most of the heavy ones have not started."""
+    """max_num_seqs is 4. A heavy client queues 40 long streams; a light client's three
+    short requests sent afterwards finish while most of the heavy ones have not started."""
     address, _ = server
 
     async def scenario() -> int:
@@ -311,8 +312,12 @@ def test_a_light_client_is_not_starved_by_a_heavy_one(server) -> None:
             tasks = [asyncio.ensure_future(drain(s)) for s in streams]
             while sum(1 for s in streams if s.prompt_token_ids is not None) < 40:
                 await asyncio.sleep(0.05)  # every heavy request is accepted (queued)
-            for _ in range(3):
-                await light.generate(prompt_token_ids=[1, 3], max_tokens=2)
+            # The light client's requests go together: one after the other, each would
+            # also wait for its client's round trip, and a slot freed meanwhile goes to
+            # a heavy request (how many then finish first depends on that timing).
+            await asyncio.gather(
+                *(light.generate(prompt_token_ids=[1, 3 + i], max_tokens=2) for i in range(3))
+            )
             finished = sum(1 for t in tasks if t.done())
             await asyncio.gather(*tasks)
             return finished
@@ -356,23 +361,38 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(model: Path) -> None:
 
 
 def test_requests_left_after_shutdown_timeout_fail_with_a_reason(model: Path) -> None:
-    flags = ("--num-gpu-blocks", "256", "--shutdown-timeout-s", "1")
+    # One sequence at a time: the last of four 2,000-token requests cannot be done
+    # within the 1 s drain however fast the steps are.
+    flags = ("--num-gpu-blocks", "256", "--shutdown-timeout-s", "1", "--max-num-seqs", "1")
     with running_server(model, *flags) as (address, proc):
 
         async def scenario() -> BaseException:
             async with AsyncClient(address, timeout=120) as client:
-                stream = client.stream(prompt_token_ids=[1, 4], max_tokens=2000, ignore_eos=True)
-                deltas = stream.__aiter__()
-                await deltas.__anext__()
+                streams = [
+                    client.stream(prompt_token_ids=[1, 4 + i], max_tokens=2000, ignore_eos=True)
+                    for i in range(4)
+                ]
+                first = streams[0].__aiter__()
+                rest = [asyncio.ensure_future(_drain_stream(s)) for s in streams[1:]]
+                await first.__anext__()
                 proc.send_signal(signal.SIGTERM)
-                with pytest.raises(ShuttingDownError) as failed:
-                    async for _ in deltas:
-                        pass
-                return failed.value
+                outcomes = await asyncio.gather(_drain_stream(first), *rest)
+                assert isinstance(outcomes[-1], ShuttingDownError), outcomes
+                return outcomes[-1]
 
         error = asyncio.run(scenario())
         assert proc.wait(timeout=60) == 0
     assert "shutdown_timeout_s=1" in str(error)
+
+
+async def _drain_stream(stream: AsyncIterator[object]) -> BaseException | None:
+    """Read a stream to its end: the exception it ended with, or None."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception as exc:
+        return exc
+    return None
 
 
 # -- 8. worker replacement --------------------------------------------------------------
