@@ -131,15 +131,20 @@ class WorkerState:
         if plan.reset:
             self.seqs.clear()
             self.params.clear()
+        freed_requests = []
         for seq_id in plan.freed_seq_ids:
             freed = self.seqs.pop(seq_id, None)
             if freed is None:
                 raise WorkerStateError(f"plan frees unknown sequence {seq_id!r}")
-            self._release(freed.request_id)
+            freed_requests.append(freed.request_id)
         for new in plan.new_seqs:
             if new.seq_id in self.seqs:
                 raise WorkerStateError(f"plan sends sequence {new.seq_id!r} again as new")
             self.seqs[new.seq_id] = WorkerSeq.from_new(new, self._hold(new))
+        # Parameters are let go after the new sequences took theirs: a sequence sent
+        # with a reference may name one its request's freed sequences held.
+        for request_id in freed_requests:
+            self._release(request_id)
         for update in plan.block_updates:
             seq = self.get(update.seq_id)
             seq.block_ids.extend(update.appended)

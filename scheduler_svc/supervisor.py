@@ -109,8 +109,9 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         status = self._run()
-        drained = self.scheduler is not None and self.scheduler.returncode == 0
-        return 0 if self.stopping and drained else status
+        if self.stopping:  # asked to stop: the drain decides
+            return 0 if self.scheduler is None or self.scheduler.returncode == 0 else 1
+        return status
 
     def _run(self) -> int:
         try:

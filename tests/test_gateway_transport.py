@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import resource
 import select
 import socket
@@ -292,6 +293,23 @@ def test_too_many_header_lines_get_431_and_a_head_within_the_limits_is_served() 
         assert status == 431 and "max_header_count=20" in error["message"]
         headers = {f"X-H{i}": "v" * 300 for i in range(15)}  # ~4.8 KB, 15 lines
         assert _get(port, headers=headers) == (200, b"0")
+
+
+@pytest.mark.parametrize(
+    "target", [b"http://[", b"http://a:99999/", b"http://a b/"], ids=["bracket", "port", "space"]
+)
+def test_an_invalid_request_target_gets_400_not_a_fatal_protocol_error(
+    target: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn parses the URL in a parser callback: its failure is the client's, a 400
+    and a close, never an error logged by the event loop."""
+    with serving(_plain_app) as port:
+        with _connect(port) as sock:
+            sock.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, error = _error(_read_until_closed(sock))
+        assert status == 400 and error["message"] == "invalid HTTP request"
+        assert _get(port) == (200, b"0")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 # -- the application: bodies, docs, metrics ------------------------------------------------

@@ -181,10 +181,13 @@ def test_a_worker_holds_one_copy_of_a_requests_parameters() -> None:
     state.apply(_plan(0, [_new("r#0", params), _new("r#1", None)]))  # in the same plan
     state.apply(_plan(1, [_new("r#2", None)]))  # held by the others
     assert all(state.seqs[f"r#{i}"].sampling is params for i in range(3))
-    state.apply(_plan(2, [], freed=["r#0", "r#1", "r#2"]))
+    # The last holders freed in the plan that sends a reference: it still resolves.
+    state.apply(_plan(2, [_new("r#3", None)], freed=["r#0", "r#1", "r#2"]))
+    assert state.seqs["r#3"].sampling is params
+    state.apply(_plan(3, [], freed=["r#3"]))
     assert state.params == {}
     with pytest.raises(WorkerStateError, match="without sampling parameters"):
-        state.apply(_plan(3, [_new("r#1", None)]))  # nobody holds them any more
+        state.apply(_plan(4, [_new("r#1", None)]))  # nobody holds them any more
 
 
 def test_forked_samples_are_sent_with_a_reference() -> None:

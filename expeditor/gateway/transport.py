@@ -207,7 +207,10 @@ class _GuardedProtocol(HttpToolsProtocol):
                     "RequestHeaderFieldsTooLargeError",
                 )
                 return
-            raise
+            # Another callback failed on what the client sent (an invalid URL: uvicorn
+            # parses it in on_headers_complete): the client's fault, not ours.
+            self._refuse(400, "invalid HTTP request", "BadRequestError")
+            return
         except httptools.HttpParserError:
             self._refuse(400, "invalid HTTP request", "BadRequestError")
             return
