@@ -169,6 +169,8 @@ class AsyncClient:
         the last numbered reply came (a restart of the numbers after an idle period is
         the server having forgotten an idle client, not a loss)."""
         self._numbered_period = 0
+        self._instance = ""
+        """The run of the server the last Pong came from ("" before the first)."""
         self._announce = False
         """The next call's frame goes after a ``Ping(sequenced=True)``: the server forgets
         a client idle past its ``client_timeout_s``, numbering included."""
@@ -505,7 +507,16 @@ class AsyncClient:
         for request_id in abandoned:
             self._send_nowait(Abort(request_id=request_id))
 
+    def _check_instance(self, instance: str) -> None:
+        """A Pong from another run of the server than the last one: the requests still
+        waiting died with the one before (it restarted within server_timeout_s)."""
+        known, self._instance = self._instance, instance or self._instance
+        if known and instance and instance != known and self._requests:
+            self._lose_all("the server restarted: requests in flight died with it")
+
     def _dispatch(self, message: ServerMessage) -> None:
+        if isinstance(message, Pong):
+            self._check_instance(message.instance)
         if isinstance(message, DeltaBatch):
             for delta in message.deltas:
                 self._to_request(delta.request_id, delta)

@@ -567,7 +567,9 @@ class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_f
 
 
 class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong", tag_field="type"):
-    pass
+    instance: str = ""
+    """Which run of the server answered (random, drawn at its start): a client that
+    sees it change while requests wait knows they died with the server before it."""
 
 
 ClientMessage = Generate | Abort | Inspect | Health | Ping | Metrics

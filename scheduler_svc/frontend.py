@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -132,6 +133,8 @@ class Frontend:
         self.clients: dict[bytes, float] = {}
         """Connection -> when it was last heard from."""
         self.started = time.monotonic()
+        self.instance = secrets.token_hex(8)
+        """This run of the server, in every Pong (see :class:`~ipc.schema.Pong`)."""
         self.stopping = False
         """Draining: new requests are refused with ``shutting_down``."""
 
@@ -202,7 +205,7 @@ class Frontend:
         elif isinstance(message, Ping):
             if message.sequenced:
                 self.outbox.sequence(identity)
-            self.send(identity, Pong())
+            self.send(identity, Pong(instance=self.instance))
 
     def _refuse(
         self, identity: bytes, request_id: str | None, code: ErrorCode, message: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 
@@ -215,3 +216,38 @@ def test_a_blocked_event_loop_does_not_fail_the_clients_own_calls(tmp_path: obje
     address = f"ipc://{tmp_path}/slow.sock"
     with _SlowServer(address) as server:
         asyncio.run(main(address, server))
+
+
+def test_a_server_restarted_before_any_numbered_reply_fails_the_waiting_call() -> None:
+    """The scheduler takes a request and dies before any reply of that busy period left
+    it; a new one comes up at the same address before the client's server_timeout_s.
+    Its replies are numbered from 0 as if this client had only been idle, so numbering
+    alone sees nothing lost; the new run's Pong does (another instance), and the call
+    fails instead of waiting for ever."""
+
+    async def main() -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        context = zmq.asyncio.Context()
+        client = AsyncClient(address, timeout=SAFETY_S, context=context, ping_interval=0.05)
+        try:
+            async with running_frontend(address=address) as first:
+                assert await client.ping() > 0  # the client knows this run, then idles
+                await asyncio.sleep(0.2)
+                first.frontend.outbox._try_send = lambda frames: "sent"  # type: ignore[method-assign]
+                # From here on the first run answers nothing: it takes the request and
+                # dies before a single reply of this busy period leaves it.
+                waiting = asyncio.ensure_future(
+                    client.generate(prompt_token_ids=[1, 7], max_tokens=4)
+                )
+                while not first.frontend.outputs.requests:
+                    await asyncio.sleep(0.01)
+            async with running_frontend(address=address):
+                with pytest.raises(RepliesLostError, match="restarted"):
+                    await asyncio.wait_for(waiting, SAFETY_S)
+        finally:
+            await client.close()
+            context.term()
+
+    asyncio.run(main())
