@@ -24,6 +24,7 @@ that another sequence of the same step writes (identical prompts admitted togeth
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -388,7 +389,7 @@ class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_fi
     priority: int = 0
     stream: bool = False
     """Send a Delta event per step; without it only Accepted and Finished come."""
-    user: str = ""
+    user: Annotated[str, msgspec.Meta(max_length=256)] = ""
     """The end user on whose behalf a shared client (the HTTP gateway) sends this: fair
     share and the per-user queue cap count requests per (connection, user). An opaque
     label (the gateway sends a hash of the API key or the client's address, never a

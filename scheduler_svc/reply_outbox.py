@@ -36,6 +36,15 @@ RETRY_S = (0.002, 0.05)
 """First and longest wait before sending a client's backlog again (doubling between)."""
 
 
+ENTRY_BYTES = 256
+"""What a held reply costs besides its payload (its list and frame objects): counted so
+that a backlog of many small replies is bounded in memory, not only in payload."""
+
+
+def _held_bytes(frames: list[bytes]) -> int:
+    return len(frames[1]) + ENTRY_BYTES
+
+
 def seq_frame(number: int) -> bytes:
     """The frame that numbers a reply (8 bytes, big-endian)."""
     return number.to_bytes(8, "big")
@@ -96,7 +105,7 @@ class ReplyOutbox:
                 return
             backlog = self.backlogs[client] = _Backlog()
         backlog.frames.append(frames)
-        backlog.size += len(frames[1])
+        backlog.size += _held_bytes(frames)
         if backlog.size > self.max_backlog_bytes:
             self._overflow(client, backlog)
             return
@@ -149,7 +158,7 @@ class ReplyOutbox:
                     break
                 progressed = True
                 frames = backlog.frames.popleft()
-                backlog.size -= len(frames[1])
+                backlog.size -= _held_bytes(frames)
             if not backlog.frames and self.backlogs.get(client) is backlog:
                 del self.backlogs[client]
         if self.backlogs:

@@ -148,6 +148,15 @@ class GatewayConfig(Settings, frozen=True):
             "else 408 and the connection is closed (slow-body clients).",
         ),
     ] = 30.0
+    send_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A client that takes nothing of its response for this many "
+            "seconds (its socket buffer full) has its connection closed and its request "
+            "aborted (slow-read clients).",
+        ),
+    ] = 30.0
     max_header_bytes: Annotated[
         int,
         Meta(

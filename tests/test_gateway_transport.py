@@ -50,6 +50,7 @@ LIMITS = TransportLimits(
     max_header_bytes=8192,
     max_header_count=20,
     max_connections=200,
+    send_timeout_s=1.0,
 )
 
 
@@ -293,6 +294,31 @@ def test_too_many_header_lines_get_431_and_a_head_within_the_limits_is_served() 
         assert status == 431 and "max_header_count=20" in error["message"]
         headers = {f"X-H{i}": "v" * 300 for i in range(15)}  # ~4.8 KB, 15 lines
         assert _get(port, headers=headers) == (200, b"0")
+
+
+def test_a_client_that_reads_nothing_of_its_response_is_closed_and_the_app_told() -> None:
+    """An endless response to a client that never reads: once the socket buffers are
+    full, writing stays paused; after send_timeout_s the connection is dropped and the
+    application's next receive says the client left (a stream's request is aborted)."""
+    told = threading.Event()
+
+    async def endless(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        chunk = b"x" * 65536
+        while True:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                message = await asyncio.wait_for(receive(), 0.001)
+            except TimeoutError:
+                continue
+            if message["type"] == "http.disconnect":
+                told.set()
+                return
+
+    with serving(endless) as port, _connect(port) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert told.wait(WAIT_S), "the server kept writing to a client that reads nothing"
 
 
 @pytest.mark.parametrize(

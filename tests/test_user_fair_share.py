@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -134,6 +135,20 @@ def test_the_gateway_labels_users_without_putting_keys_on_the_wire() -> None:
     assert keyed == end_user(_request("10.0.0.7", "Bearer sekrit"), keyed=True)
     assert keyed != end_user(_request("10.0.0.8", "Bearer sekrit"), keyed=True)
     assert keyed != end_user(_request("10.0.0.7", "Bearer other"), keyed=True)
+
+
+def test_an_ipv6_client_is_one_user_per_64_and_labels_are_bounded() -> None:
+    one = end_user(_request("2001:db8:1:2::1"), keyed=False)
+    assert one == "addr:2001:db8:1:2::/64"
+    assert end_user(_request("2001:db8:1:2:ffff::9"), keyed=False) == one
+    assert end_user(_request("2001:db8:1:3::1"), keyed=False) != one
+    assert end_user(_request("::ffff:10.0.0.7"), keyed=False) == "addr:10.0.0.7"
+    Generate(request_id="r", prompt_token_ids=[1], user="u" * 256)
+    with pytest.raises(msgspec.ValidationError, match="length <= 256"):
+        msgspec.msgpack.decode(
+            encode(Generate(request_id="r", prompt_token_ids=[1], user="u" * 257)),
+            type=Generate,
+        )
 
 
 def test_a_priority_above_the_ceiling_gets_400_naming_priority() -> None:

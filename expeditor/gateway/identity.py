@@ -4,12 +4,14 @@ cap count per label), and the floor on the ``priority`` a client may pick.
 
 The label is never a raw key: with an API key it is a hash of the key the client
 presented together with the client's address (so holders of one shared key on
-different machines are still separate users), else the client's address.
+different machines are still separate users), else the client's address (an IPv6
+client's /64).
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 
 from starlette.requests import Request
 
@@ -19,8 +21,19 @@ __all__ = ["check_priority", "end_user"]
 
 
 def _address(request: Request) -> str:
+    """The client's address; an IPv6 one as its /64 (a host is given a whole /64 and
+    could otherwise be as many users as it likes)."""
     client = request.client
-    return client.host if client is not None and client.host else "unknown"
+    host = client.host if client is not None and client.host else "unknown"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
 
 
 def end_user(request: Request, keyed: bool) -> str:

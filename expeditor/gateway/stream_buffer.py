@@ -60,8 +60,11 @@ async def bounded_stream(
                         unsent,
                         limit,
                     )
-                    buffer.append(overflow_event(unsent, limit))
-                    buffer.append(DONE)
+                    # What the client never took is dropped: only the end is kept.
+                    event = overflow_event(unsent, limit)
+                    buffer.clear()
+                    buffer.extend((event, DONE))
+                    unsent = len(event) + len(DONE)
                     break
         except Exception as exc:
             failure = exc

@@ -10,6 +10,10 @@ protocol with the limits uvicorn lacks.
   them (httptools buffers a header line by repeated concatenation: quadratic time);
   beyond ``max_header_bytes``, or past ``max_header_count`` header lines, the client
   gets 431 and the connection is closed.
+- **Write deadline.** A client that stops reading its response (a stream it never
+  takes) fills the socket's buffer; writing stays paused. Paused for longer than
+  ``send_timeout_s``, the connection is closed (the stream's request is aborted as for
+  a disconnect, and what it held is freed).
 - **Connections.** Beyond ``max_connections`` open ones, a new connection gets 503 and
   is closed at once, so idle connections cannot take every file descriptor;
   :func:`reserve_open_files` makes sure the cap fits under the open-file limit.
@@ -55,6 +59,7 @@ class TransportLimits:
     max_header_bytes: int = 64 * 1024
     max_header_count: int = 100
     max_connections: int = 1000
+    send_timeout_s: float = 30.0
 
     @classmethod
     def of(cls, config: GatewayConfig) -> TransportLimits:
@@ -64,6 +69,7 @@ class TransportLimits:
             max_header_bytes=config.max_header_bytes,
             max_header_count=config.max_header_count,
             max_connections=config.max_connections,
+            send_timeout_s=config.send_timeout_s,
         )
 
 
@@ -119,6 +125,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
         self._in_head = True
         """The parser is reading a request head (or waits for one)."""
         self._in_body = False
@@ -188,7 +195,39 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(
+                self.limits.send_timeout_s, self._write_expired
+            )
+
+    def resume_writing(self) -> None:
+        self._stop_write_deadline()
+        super().resume_writing()
+
+    def _stop_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_expired(self) -> None:
+        """The client took nothing of its response for send_timeout_s: close (no
+        answer can reach it); the application sees a disconnect."""
+        self._write_deadline = None
+        log.debug(
+            "%s:%s closed: it read nothing for send_timeout_s=%g s",
+            *(self.client or ("?", 0)),
+            self.limits.send_timeout_s,
+        )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.abort()  # drop what is buffered: close() would wait to send it
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
