@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -119,7 +120,10 @@ class Attacks:
         body = make()
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         timeout = aiohttp.ClientTimeout(total=120)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A connection per request: a kept-alive one may meet the server's keep-alive
+        # timeout on its way, which says nothing about how the attack was answered.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while await self._sleep(period):
                 started = time.monotonic()
                 try:
@@ -151,12 +155,13 @@ class Attacks:
                     while not self.stop.is_set():
                         writer.write(b"a")
                         await writer.drain()
-                        if await asyncio.wait_for(reader.read(1024), 5.0) == b"":
-                            break  # closed by the server
-                except TimeoutError:
-                    continue  # still open: another byte
+                        try:
+                            if await asyncio.wait_for(reader.read(1024), 5.0) == b"":
+                                break  # closed by the server
+                        except TimeoutError:
+                            continue  # still open: another byte
                 except OSError:
-                    pass
+                    pass  # reset by the server
                 finally:
                     writer.close()
                 if not self.stop.is_set():
@@ -187,12 +192,14 @@ class Attacks:
             self.log.add("huge_header", answer, elapsed, expected=answer != "200")
 
     async def _never_read(self) -> None:
-        """A big stream whose reader never reads: the gateway must not buffer it all."""
+        """A big stream (64 x 1,000 tokens with logprobs) whose reader takes nothing for
+        45 s: the gateway must neither buffer it all nor keep the connection (its
+        send_timeout_s closes it, or max_stream_buffer_bytes aborts the request)."""
         body = json.dumps(
             {
                 "prompt": [1, 2, 3],
                 "n": 64,
-                "max_tokens": 200,
+                "max_tokens": 1000,
                 "logprobs": 5,
                 "stream": True,
                 "ignore_eos": True,
@@ -202,18 +209,31 @@ class Attacks:
             f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
-        while await self._sleep(30.0):
+        while await self._sleep(15.0):
             started = time.monotonic()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
             try:
-                _, writer = await asyncio.open_connection(self.host, self.port)
+                await asyncio.get_running_loop().sock_connect(sock, (self.host, self.port))
+                reader, writer = await asyncio.open_connection(sock=sock)
                 writer.write(head + body)
                 await writer.drain()
-                await self._sleep(20.0)  # never read
+                await self._sleep(45.0)  # never read
+                data = await asyncio.wait_for(reader.read(-1), 60.0)
+                if b"max_stream_buffer_bytes" in data:
+                    answer = "aborted at the buffer limit"
+                elif data.rstrip().endswith(b"data: [DONE]"):
+                    answer = "whole stream kept"
+                else:
+                    answer = "closed by server"
                 writer.close()
-                answer = "held 20 s"
-            except OSError as exc:
+            except (ConnectionResetError, BrokenPipeError):
+                answer = "reset by server"
+            except (OSError, TimeoutError) as exc:
                 answer = type(exc).__name__
-            self.log.add("never_read", answer, time.monotonic() - started, expected=True)
+            elapsed = time.monotonic() - started
+            self.log.add("never_read", answer, elapsed, expected=answer != "whole stream kept")
 
     async def _metrics_storm(self) -> None:
         """About 100 scrapes a second."""
