@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -177,6 +178,11 @@ def _check_kwargs(extra: dict[str, Any] | None) -> None:
             )
 
 
+_RENDERERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
+"""Chat templates render here, not in the loop's default executor: slow renders (each
+stops itself at its deadline) never hold up tokenizing or detokenizing there."""
+
+
 async def render_messages(
     template: ChatTemplate,
     messages: list[dict[str, Any]],
@@ -213,7 +219,8 @@ async def render_messages(
         return render()
     try:
         # The thread stops itself at the deadline too (between two pieces of output).
-        return await asyncio.wait_for(asyncio.to_thread(render), timeout_s)
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(loop.run_in_executor(_RENDERERS, render), timeout_s)
     except TimeoutError:
         raise _too_slow(timeout_s) from None
 
