@@ -420,10 +420,13 @@ def test_a_dead_workers_replacement_is_accepted_at_once(model: Path) -> None:
     assert again.token_ids == first.token_ids
 
 
-def test_quarantine_after_two_failed_steps(model: Path) -> None:
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "stalls"])
+def test_quarantine_after_two_failed_steps(model: Path, fault: signal.Signals) -> None:
     """A request in flight when a worker dies twice is failed as quarantined; one that
-    came after the first failure is served."""
-    flags = ("--num-gpu-blocks", "128", "--max-model-len", "1024")
+    came after the first failure is served. A worker that stalls (SIGSTOP: silent past
+    worker_timeout_s, then killed by the scheduler and replaced) counts as one that
+    died."""
+    flags = ("--num-gpu-blocks", "128", "--max-model-len", "1024", "--worker-timeout-s", "2")
     with running_server(model, *flags) as (address, _):
 
         async def running(client: AsyncClient, request_id: str, *, not_on: int = 0) -> int:
@@ -462,12 +465,12 @@ def test_quarantine_after_two_failed_steps(model: Path) -> None:
                     )
                 )
                 first = await running(client, "v")
-                os.kill(first, signal.SIGKILL)
+                os.kill(first, fault)
                 await lost(client, first)  # so the later request was not in that step
                 later = asyncio.ensure_future(
                     client.generate(prompt_token_ids=[1, 7], max_tokens=40, ignore_eos=True)
                 )
-                os.kill(await running(client, "v", not_on=first), signal.SIGKILL)
+                os.kill(await running(client, "v", not_on=first), fault)
                 try:
                     await victim
                     error = None
