@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import threading
 import time
@@ -38,17 +37,11 @@ from soak_attacks import Attacks
 from soak_load import Samples, percentile, rss_mb_and_fds
 
 from gpu_worker.tiny_model import default_model_dir
-from scheduler_svc.launch import child_pids, cmdline, running_serve
+from scheduler_svc.launch import child_pids, cmdline, free_port, running_serve
 
 SERVE_FLAGS = ("--num-gpu-blocks=512", "--max-num-seqs=32", "--max-num-batched-tokens=512")
 SAMPLE_PERIOD_S = 2.0
 ROLES = ("scheduler", "gateway", "worker")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _normal_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
@@ -149,7 +142,7 @@ class HttpSoak:
 
 
 def one_run(args: argparse.Namespace, attacked: bool) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     model = args.model or default_model_dir()
     flags = (*SERVE_FLAGS, "--http", f"127.0.0.1:{port}")
     with running_serve(model, *flags, lines=2) as (lines, proc):

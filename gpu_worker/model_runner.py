@@ -443,8 +443,8 @@ class ModelRunner:
             banned = no_mask
             if seq.num_output_tokens < p.min_tokens:
                 if seq.banned_ids is None:  # built once per sequence, not per step
-                    ids = np.unique(np.array([*p.stop_token_ids, *self.eos_token_ids]))
-                    seq.banned_ids = ids[(ids >= 0) & (ids < self.vocab_size)].astype(np.int64)
+                    ids = [*p.stop_token_ids, *self.eos_token_ids]
+                    seq.banned_ids = np.unique(np.array(ids, dtype=np.int64))
                 banned = seq.banned_ids
             for sample_index in item.sample_indices:
                 rows.append(inputs.query_start_loc[index + 1] - 1)

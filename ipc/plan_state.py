@@ -4,11 +4,12 @@ how one :class:`~ipc.schema.BatchPlan` changes it.
 Plans are deltas (see :mod:`ipc.schema`), so a worker holds every sequence between
 steps: its tokens, how many of them have K/V in the cache, its block table and its
 sampling parameters (held once per request: a ``NewSeq`` without them takes those of
-its request's other sequences). :meth:`WorkerState.apply` applies a plan's state changes in the
-protocol's order, ``reset`` (forget everything), ``freed_seq_ids``, ``new_seqs``,
-``block_updates``, then the scheduled token counts, and returns the step's batch:
-which sequences run, at which positions, and how many tokens each samples. After the
-forward the worker hands the sampled tokens to :meth:`WorkerState.append_sampled`.
+its request's other sequences). :meth:`WorkerState.apply` applies a plan's state
+changes in the protocol's order, ``reset`` (forget everything), ``freed_seq_ids``,
+``new_seqs``, ``block_updates``, then the scheduled token counts, and returns the
+step's batch: which sequences run, at which positions, and how many tokens each
+samples. After the forward the worker hands the sampled tokens to
+:meth:`WorkerState.append_sampled`.
 
 The protocol is strict: a plan that frees, updates or schedules a sequence the worker
 does not hold, sends a :class:`~ipc.schema.NewSeq` for one it already holds, schedules
@@ -58,8 +59,9 @@ class WorkerSeq:
     sampling: SamplingParams
 
     banned_ids: np.ndarray | None = None
-    """The ids masked while below ``min_tokens`` (stop ids and EOS inside the vocabulary,
-    once each): built by the model runner the first time they are needed."""
+    """The ids masked while below ``min_tokens`` (stop ids and EOS, once each): built by
+    the model runner the first time they are needed (the sampler skips those beyond the
+    vocabulary)."""
 
     @classmethod
     def from_new(cls, new: NewSeq, sampling: SamplingParams) -> WorkerSeq:
@@ -163,7 +165,7 @@ class WorkerState:
     def _hold(self, new: NewSeq) -> SamplingParams:
         """The sampling parameters of ``new``'s request, now used by one more sequence."""
         held = self.params.get(new.request_id)
-        sampling = new.sampling if new.sampling is not None else held and held[0]
+        sampling = new.sampling or (held[0] if held else None)
         if sampling is None:
             raise WorkerStateError(
                 f"{new.seq_id!r}: sent without sampling parameters, and no sequence of "

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ipc.schema import AttachSwapPool, ErrorCode, WorkerHello, WorkerSetup
 from scheduler_svc import sdnotify
 from scheduler_svc.detokenizer import load_tokenizer
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.launch import free_port
 from scheduler_svc.outputs import RequestEnded, StepEvents
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.request import Request
@@ -46,12 +46,6 @@ from shared.server_config import SUPERVISED_ENV, ServerConfig
 from shared.swap_pool import SwapPoolSegment, remove_stale_segments
 
 log = logging.getLogger("expeditor.scheduler")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _model_max_len(model_dir: str) -> int | None:
@@ -107,7 +101,7 @@ class SchedulerDaemon:
             group=server.tensor_parallel_size > 1,
         )
         self.dist_port = server.dist_master_port or (
-            _free_port(server.dist_master_addr) if server.tensor_parallel_size > 1 else 0
+            free_port(server.dist_master_addr) if server.tensor_parallel_size > 1 else 0
         )
         """The tensor-parallel group's rendezvous port (0 in the config: one picked here,
         for ranks on this machine, as under serve)."""

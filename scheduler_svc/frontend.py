@@ -311,10 +311,7 @@ class Frontend:
         """Refuse (overloaded) a request of a user who already has ``max_queued_per_user``
         unfinished requests (waiting or running)."""
         assert self.core is not None
-        config = self.core.config
-        cap = config.max_queued_per_user
-        if cap is None:
-            cap = max(1, config.max_waiting_requests // 4)
+        cap = self.core.config.user_queue_cap
         held = self.core.fair_share.unfinished(client)
         if held >= cap:
             who = f"user {user!r}" if user else "this client"

@@ -1,17 +1,25 @@
 """Start ``expeditor serve`` as a child process and wait for its address (for tests,
-benchmarks and scripts)."""
+benchmarks and scripts); a free TCP port to give it."""
 
 from __future__ import annotations
 
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -74,8 +74,6 @@ class FairShareRounds:
 
     def __init__(self) -> None:
         self._terms: dict[float, _RoundRobin] = {}
-        self._unfinished: dict[str, int] = {}
-        """Client -> its unfinished requests, all terms together."""
 
     def __len__(self) -> int:
         """(term, client) pairs with an unfinished request."""
@@ -83,7 +81,9 @@ class FairShareRounds:
 
     def unfinished(self, client: str) -> int:
         """Requests of ``client`` that arrived and have not departed (waiting or running)."""
-        return self._unfinished.get(client, 0)
+        return sum(
+            state[1] for rounds in self._terms.values() if (state := rounds.clients.get(client))
+        )
 
     def virtual_round(self, term: float) -> int:
         """The largest round of ``term`` admitted while it had unfinished requests."""
@@ -101,7 +101,6 @@ class FairShareRounds:
         fair_round = max(state[0], rounds.virtual_round)
         state[0] = fair_round + 1
         state[1] += 1
-        self._unfinished[client] = self._unfinished.get(client, 0) + 1
         return fair_round
 
     def admitted(self, term: float, fair_round: int) -> None:
@@ -115,11 +114,6 @@ class FairShareRounds:
         rounds = self._terms[term]
         state = rounds.clients[client]
         state[1] -= 1
-        left = self._unfinished[client] - 1
-        if left:
-            self._unfinished[client] = left
-        else:
-            del self._unfinished[client]
         if not state[1]:
             del rounds.clients[client]
             if not rounds.clients:

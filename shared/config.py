@@ -169,6 +169,13 @@ class SchedulerConfig(Settings, frozen=True):
         | None
     ) = None
 
+    @property
+    def user_queue_cap(self) -> int:
+        """``max_queued_per_user``, or its default when unset: a quarter of the queue."""
+        if self.max_queued_per_user is not None:
+            return self.max_queued_per_user
+        return max(1, self.max_waiting_requests // 4)
+
     def watermark_blocks(self, num_gpu_blocks: int) -> int:
         """GPU blocks held back from admission out of a pool of ``num_gpu_blocks``."""
         return int(self.watermark * num_gpu_blocks)

@@ -25,7 +25,7 @@ from expeditor.gateway.responses import DONE
 from expeditor.gateway.stream_buffer import bounded_stream
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
-from scheduler_svc.launch import running_serve
+from scheduler_svc.launch import free_port, running_serve
 from shared.gateway_config import GatewayConfig
 
 # -- units ---------------------------------------------------------------------------------
@@ -186,12 +186,6 @@ def test_a_template_failing_on_request_values_is_a_400() -> None:
 
 
 # -- end to end ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 STREAM_LIMIT = 65536

@@ -39,6 +39,7 @@ from expeditor.gateway.transport import (
 )
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.schema import MetricsReply
+from scheduler_svc.launch import free_port
 from shared.errors import ConfigError
 from shared.gateway_config import GatewayConfig
 
@@ -73,9 +74,7 @@ async def _plain_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 @contextmanager
 def serving(app: Any, limits: TransportLimits = LIMITS, lifespan: str = "off") -> Iterator[int]:
     """A uvicorn server with the gateway's protocol on 127.0.0.1; yields its port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
@@ -602,9 +601,7 @@ def test_expeditor_gateway_serves_with_these_limits(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "expeditor", "gateway",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from idle import wait_idle
 
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
-from scheduler_svc.launch import running_serve
+from scheduler_svc.launch import free_port, running_serve
 
 SAFETY_S = 120.0
 """How long a request may take before the test fails: a safety net, not a speed."""
@@ -30,12 +29,6 @@ CAP = 2 * HEAVY_BATCHES * BATCH
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("fair") / "llama", arch="llama")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(port: int, source: str, body: dict) -> tuple[int, dict]:
@@ -60,7 +53,7 @@ def _waiting(frontend: str) -> int:
 
 
 def test_one_http_users_backlog_does_not_hold_up_another(model: Path) -> None:
-    port = _free_port()
+    port = free_port()
     flags = ("--http", f"127.0.0.1:{port}", "--max-num-seqs", "4", "--num-gpu-blocks", "512")
     flags += ("--max-queued-per-user", str(CAP))
     with running_serve(model, *flags, lines=2) as (lines, _):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 
@@ -32,6 +31,7 @@ from ipc.schema import (
     encode,
     server_decoder,
 )
+from scheduler_svc.launch import free_port
 from shared.outputs import Completion, CompletionSample, FinishReason
 from shared.server_config import ServerConfig
 
@@ -226,9 +226,7 @@ def test_a_server_restarted_before_any_numbered_reply_fails_the_waiting_call() -
     fails instead of waiting for ever."""
 
     async def main() -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         context = zmq.asyncio.Context()
         client = AsyncClient(address, timeout=SAFETY_S, context=context, ping_interval=0.05)
         try:

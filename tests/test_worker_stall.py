@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from ipc.client import AsyncClient
 from ipc.plan_state import WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, InspectReply, NewSeq, WorkerStatus
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.launch import child_pids, cmdline, running_serve
+from scheduler_svc.launch import child_pids, cmdline, free_port, running_serve
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
@@ -44,12 +43,6 @@ PROMPTS = [[1, *range(3 + i, 40 + 2 * i)] for i in range(12)]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("stall") / "llama", arch="llama")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker_pids(serve_pid: int) -> list[int]:
@@ -112,7 +105,7 @@ def _post(url: str, path: str, body: object) -> tuple[int, dict]:
 def test_the_outage_request_gets_a_400_and_the_server_keeps_serving(model: Path) -> None:
     """The 1.8 MB request of the report (n=64, 200,000 stop token ids) is refused by
     name; the worker is never lost and the next request is served."""
-    port = _free_port()
+    port = free_port()
     flags = ("--http", f"127.0.0.1:{port}", "--worker-timeout-s", str(WORKER_TIMEOUT_S))
     with running_serve(model, *flags, lines=2) as (lines, proc):
         workers = _worker_pids(proc.pid)

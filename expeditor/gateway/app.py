@@ -145,13 +145,7 @@ class Gateway:
     def finished(self) -> None:
         self.active -= 1
         self.metrics.invalidate()  # the next scrape counts this request
-        self.trim_if_large()
-
-    def trim_if_large(self) -> None:
-        """Hand freed heap back to the OS if the current request's body was large
-        (called once it is over)."""
-        if _LARGE_BODY.get() is not None:
-            self.trimmer.soon()
+        _trim_if_large()
 
     async def served_model(self) -> ServedModel:
         """The model, looked up once the scheduler has a worker (503 before)."""
@@ -399,9 +393,14 @@ async def _guard(work: Any) -> Any:
     try:
         return await _answer(work)
     finally:
-        trimmer = _LARGE_BODY.get()
-        if trimmer is not None:
-            trimmer.soon()
+        _trim_if_large()
+
+
+def _trim_if_large() -> None:
+    """Hand freed heap back to the OS if the current request's body was large (called
+    once it is over)."""
+    if (trimmer := _LARGE_BODY.get()) is not None:
+        trimmer.soon()
 
 
 def _add_api_docs(app: FastAPI, gateway: Gateway) -> None:

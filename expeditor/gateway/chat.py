@@ -203,7 +203,6 @@ async def render_messages(
             f"max_messages={max_messages}",
             param="messages",
         )
-    _check_kwargs(extra)
 
     def render() -> str:
         return template.render(

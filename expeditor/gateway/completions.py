@@ -102,9 +102,7 @@ class _Handler:
     async def _generate(self, index: int) -> ClientCompletion:
         text, token_ids = self.prompts[index]
         if self.body.zero_tokens:
-            if text is not None and len(text) > INLINE_DECODE_TOKENS:  # tokenized
-                return await asyncio.to_thread(self._nothing_to_generate, index)
-            return self._nothing_to_generate(index)
+            return self._nothing_to_generate(index, await self._prompt_ids(index))
         return await self.client.generate(
             text,
             prompt_token_ids=token_ids,
@@ -169,15 +167,17 @@ class _Handler:
             starter.cancel()  # and so every pump
             await asyncio.gather(starter, return_exceptions=True)
 
-    def _nothing_to_generate(self, index: int) -> ClientCompletion:
-        """The answer to max_tokens 0, without the scheduler: every sample empty, ended
-        by length; the prompt counted as the scheduler would tokenize it."""
+    async def _prompt_ids(self, index: int) -> list[int]:
+        """Prompt ``index`` as token ids, tokenized as the scheduler would (a long text
+        on a thread)."""
         text, token_ids = self.prompts[index]
-        prompt = (
-            token_ids
-            if token_ids is not None
-            else self.model.encode(text or "", add_special_tokens=True)
-        )
+        if token_ids is not None:
+            return token_ids
+        return await self.gateway.encode(self.model, text or "", special=True)
+
+    def _nothing_to_generate(self, index: int, prompt: list[int]) -> ClientCompletion:
+        """The answer to max_tokens 0 for ``prompt`` (prompt ``index``'s ids), without
+        the scheduler: every sample empty, ended by length."""
         limit = self.model.max_model_len
         if limit is not None and len(prompt) > limit:
             raise GatewayRequestError(
@@ -201,7 +201,7 @@ class _Handler:
     async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
         text, token_ids = self.prompts[index]
         if self.body.zero_tokens:
-            done = self._nothing_to_generate(index)
+            done = self._nothing_to_generate(index, await self._prompt_ids(index))
             self.prompt_tokens[index] = done.usage.prompt_tokens
             self.usages[index] = done.usage
             for sample in done.samples:
