@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from gpu_worker.engine import LLM
+from expeditor.llm import LLM
 from ipc.schema import BatchPlan, StepResult
 from shared.sampling import SamplingParams
 

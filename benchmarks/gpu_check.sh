@@ -80,10 +80,10 @@ step() {
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:randomly)
 GPU=(env EXPEDITOR_GPU_TESTS=1 EXPEDITOR_TEST_DEVICE=cuda)
 
-step kernel-tests 120 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/test_kernels.py tests/test_split_kv.py
+step kernel-tests 120 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/kernels/test_kernels.py tests/kernels/test_split_kv.py
 # float32 on the GPU: greedy tokens equal transformers', seeded draws batch-independent.
-step exactness-fp32 150 "${GPU[@]}" "${PYTEST[@]}" tests/test_oracle.py tests/test_engine.py tests/test_sampler.py
-step gpu-only-tests 60 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/test_cuda_graphs.py tests/test_host_syncs.py
+step exactness-fp32 150 "${GPU[@]}" "${PYTEST[@]}" tests/e2e/test_oracle.py tests/worker/test_engine.py tests/worker/test_sampler.py
+step gpu-only-tests 60 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/worker/test_cuda_graphs.py tests/worker/test_host_syncs.py
 step attention-bandwidth 45 "$PY" benchmarks/attention_bandwidth.py
 step swap-bandwidth 30 "$PY" benchmarks/swap_bandwidth.py --device cuda
 step swap-bandwidth-scattered 30 "$PY" benchmarks/swap_bandwidth.py --device cuda --scattered

@@ -45,7 +45,7 @@ setup_venv() {
 
 # mutmut names a mutant module.path.xǁClassǁmethod__mutmut_N (x_function__mutmut_N).
 declare -A GLOBS=(
-    [scheduler]="scheduler_svc.scheduler.* scheduler_svc.kv_manager.* scheduler_svc.block_pool.* scheduler_svc.policies.* scheduler_svc.queues.*"
+    [scheduler]="scheduler_svc.core.scheduler.* scheduler_svc.core.kv_manager.* scheduler_svc.core.block_pool.* scheduler_svc.core.policies.* scheduler_svc.core.queues.*"
     [sampler]="gpu_worker.sampler.*"
     [detokenizer]="scheduler_svc.detokenizer.*"
 )
@@ -80,11 +80,11 @@ show_diffs = sys.argv[1] == "1"
 mutmut = sys.argv[2]
 MODULES = {
     "scheduler core": [
-        "scheduler_svc/scheduler.py",
-        "scheduler_svc/kv_manager.py",
-        "scheduler_svc/block_pool.py",
-        "scheduler_svc/policies.py",
-        "scheduler_svc/queues.py",
+        "scheduler_svc/core/scheduler.py",
+        "scheduler_svc/core/kv_manager.py",
+        "scheduler_svc/core/block_pool.py",
+        "scheduler_svc/core/policies.py",
+        "scheduler_svc/core/queues.py",
     ],
     "sampler": ["gpu_worker/sampler.py"],
     "detokenizer": ["scheduler_svc/detokenizer.py"],

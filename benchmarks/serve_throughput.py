@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_worker.engine import LLM
+from expeditor.llm import LLM
 from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient
 from scheduler_svc.launch import running_server

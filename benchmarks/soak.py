@@ -26,7 +26,7 @@ RSS and open fds are sampled every 2 s (at warm-up end, max, final).
 
     .venv/bin/python benchmarks/soak.py --duration 600 --json out/soak.json
 
-prints a table and writes every figure to ``--json`` (``tests/test_soak.py`` runs it with
+prints a table and writes every figure to ``--json`` (``tests/e2e/test_soak.py`` runs it with
 ``--duration 25 --concurrency 8``). Exit status 1 if a request was lost, a request or KV
 block leaked, a request ended in an unexpected error, a bad frame went unanswered, the
 worker was not back in time, the server died, or the run overran its time bound; else 0.

@@ -11,7 +11,7 @@ daemon keeps unless its start-up timing shows every core clearly faster, as it d
 the small preset on 2 cores; see gpu_worker/threads.py).
 
 Decode, per batch size B: B prompts of 64..512 tokens (uniform, seeded) go through
-the engine (``gpu_worker.engine.LLM``, greedy, ignore_eos, prefix caching off) until
+the engine (``expeditor.llm.LLM``, greedy, ignore_eos, prefix caching off) until
 every sequence has its prompt computed and is decoding. transformers gets the very
 same contexts (each sequence's tokens but the last, which is the token to feed) as a
 left-padded batch with an attention mask, prefilled into a ``DynamicCache`` (in
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from gpu_worker.engine import LLM
+from expeditor.llm import LLM
 from gpu_worker.tiny_model import default_model_dir
 from ipc.schema import BatchPlan, StepResult
 from shared.sampling import SamplingParams

@@ -1,6 +1,6 @@
 """Greedy outputs of ``expeditor serve --tensor-parallel-size 2`` against TP=1 on CUDA.
 
-The worker runs bfloat16 on CUDA, so float32 transformers (tests/hf_reference.py) is no
+The worker runs bfloat16 on CUDA, so float32 transformers (tests/support/hf_reference.py) is no
 oracle here: TP=2 is compared with a TP=1 serve on the same device and dtype. The
 row-parallel partial sums are rounded to bfloat16 before the all-reduce, so the two
 may part at a near-tie: a prompt passes when its tokens are identical, or up to the

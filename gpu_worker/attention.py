@@ -19,7 +19,7 @@ each KV head into the rows of one head, which reads each K/V row once for all of
 When the metadata carries the worker's :class:`DecodeReuse` and a decode step's
 sequences are the last step's, one token further, each layer keeps the K/V it gathered
 last step and only adds the new tokens' rows. All give the same values up to float
-rounding (tests/test_attention_plan.py).
+rounding (tests/kernels/test_attention_plan.py).
 
 A layer with a sliding window or attention-logit soft-capping (the ``sliding_window``
 and ``softcap`` keywords transformers passes, per layer) gives both to the Triton

@@ -65,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.paths import cache_dir
+
 ARCHS = (
     "llama",
     "qwen2",
@@ -457,15 +459,6 @@ def make_tiny_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # a no-op once renamed
     return target
-
-
-def cache_dir() -> Path:
-    """$EXPEDITOR_CACHE_DIR, else $XDG_CACHE_HOME/expeditor, else ~/.cache/expeditor."""
-    if explicit := os.environ.get("EXPEDITOR_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "expeditor"
-    return Path.home() / ".cache" / "expeditor"
 
 
 def _check_size(size: str) -> None:

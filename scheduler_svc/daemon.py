@@ -30,13 +30,13 @@ import zmq.asyncio
 from ipc.curve import CurveServer, endpoint_needs_curve
 from ipc.schema import AttachSwapPool, ErrorCode, WorkerHello, WorkerSetup
 from scheduler_svc import sdnotify
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.detokenizer import load_tokenizer
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.launch import free_port
 from scheduler_svc.outputs import RequestEnded, StepEvents
 from scheduler_svc.remote_executor import RemoteExecutor
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import StepEngine
 from scheduler_svc.step_times import StepTimer
 from scheduler_svc.workers import WorkerHandle, WorkerRegistry

@@ -52,16 +52,16 @@ from ipc.schema import (
     ServerMessage,
     client_decoder,
 )
-from scheduler_svc.introspection import snapshot
+from scheduler_svc.core.introspection import snapshot
+from scheduler_svc.core.request import RejectedError
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
 from scheduler_svc.reply_outbox import ReplyOutbox
-from scheduler_svc.request import RejectedError
 from shared.memory import malloc_trim
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.step_times import StepTimer
     from scheduler_svc.workers import WorkerRegistry
     from shared.config import SchedulerConfig

@@ -26,9 +26,9 @@ from typing import Any
 
 import msgspec
 
+from scheduler_svc.core.request import RejectedError
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.request import RejectedError
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason

@@ -1,7 +1,7 @@
 """The step: schedule -> execute -> update, the one loop body every driver runs.
 
 The daemon (:mod:`scheduler_svc.daemon`, remote workers), the in-process engine
-(:class:`gpu_worker.engine.LLM`, one model runner), the simulator and the tests (a
+(:class:`expeditor.llm.LLM`, one model runner), the simulator and the tests (a
 fake worker) all call :meth:`StepEngine.step` (or :meth:`StepEngine.step_async` on an
 event loop) and differ only in their :class:`Executor` and in what they do with the
 :class:`StepRecord`: the daemon hands its events to the output task, ``LLM`` runs the
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ipc.schema import BatchPlan, StepResult
-from scheduler_svc.introspection import check_invariants
+from scheduler_svc.core.introspection import check_invariants
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_records import UpdateOutcome
 from scheduler_svc.outputs import StepEvents
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_records import UpdateOutcome
 from scheduler_svc.step_times import StepTimer
 from shared.outputs import FinishReason
 

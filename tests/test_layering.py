@@ -4,13 +4,15 @@ every import statement of every module: top-level and inside functions, ``import
 
 1. ``shared`` imports nothing of the project but ``shared``;
 2. ``ipc`` imports only ``shared`` and ``ipc``;
-3. the scheduler core (:data:`CORE`) imports only ``shared``, ``ipc.schema`` and other
-   core modules, and never ``zmq``, ``torch``, ``transformers``, ``triton``,
-   ``gpu_worker``;
+3. the scheduler core (the folder ``scheduler_svc/core/``, :data:`CORE`) imports only
+   ``shared``, ``ipc.schema`` and other core modules, and never ``zmq``, ``torch``,
+   ``transformers``, ``triton``, ``gpu_worker``;
 4. ``scheduler_svc`` never imports ``torch``, ``transformers``, ``triton`` or
    ``gpu_worker``;
 5. nothing below ``expeditor`` imports ``expeditor``;
-6. no cycle between the packages.
+6. no cycle between the packages;
+7. ``gpu_worker`` never imports ``scheduler_svc``: the two meet only in ``ipc`` (the
+   wire) and in ``expeditor`` (``LLM``, which runs both in one process).
 
 ``benchmarks/`` and ``tests/`` may import anything and are not scanned.
 """
@@ -28,21 +30,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("shared", "ipc", "scheduler_svc", "gpu_worker", "expeditor")
 UNSCANNED = ("tests", "benchmarks")
-CORE = frozenset(
-    f"scheduler_svc.{name}"
-    for name in (
-        "admission",
-        "block_pool",
-        "ending",
-        "kv_manager",
-        "queues",
-        "policies",
-        "request",
-        "scheduler",
-        "step_records",
-        "introspection",
-    )
-)
+CORE = "scheduler_svc.core"
+"""The scheduler core: every module in this folder (a subpackage)."""
 HEAVY = frozenset({"torch", "transformers", "triton"})
 BELOW_EXPEDITOR = frozenset({"shared", "ipc", "scheduler_svc", "gpu_worker"})
 RULE_1 = "shared imports only shared (rule 1)"
@@ -50,6 +39,7 @@ RULE_2 = "ipc imports only shared and ipc (rule 2)"
 RULE_3 = "the scheduler core imports only shared, ipc.schema and the core (rule 3)"
 RULE_4 = "scheduler_svc never imports torch, transformers, triton, gpu_worker (rule 4)"
 RULE_5 = "nothing below expeditor imports expeditor (rule 5)"
+RULE_7 = "gpu_worker never imports scheduler_svc (rule 7)"
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -92,16 +82,22 @@ def _broken_rules(module: str, target: str) -> list[str]:
         broken.append(RULE_1)
     if source == "ipc" and top in PACKAGES and top not in ("shared", "ipc"):
         broken.append(RULE_2)
-    if module in CORE and (
+    if _in_core(module) and (
         top in ("zmq", "gpu_worker", *HEAVY)
-        or (top in PACKAGES and top != "shared" and target not in CORE and target != "ipc.schema")
+        or (top in PACKAGES and top != "shared" and not _in_core(target) and target != "ipc.schema")
     ):
         broken.append(RULE_3)
     if source == "scheduler_svc" and (top in HEAVY or top == "gpu_worker"):
         broken.append(RULE_4)
     if source in BELOW_EXPEDITOR and top == "expeditor":
         broken.append(RULE_5)
+    if source == "gpu_worker" and top == "scheduler_svc":
+        broken.append(RULE_7)
     return broken
+
+
+def _in_core(module: str) -> bool:
+    return module == CORE or module.startswith(CORE + ".")
 
 
 def _cycles(edges: dict[tuple[str, str], str]) -> list[str]:
@@ -155,7 +151,7 @@ def layering_violations(root: Path) -> list[str]:
 
 
 def test_the_project_keeps_the_layering_rules() -> None:
-    assert CORE <= set(_project_modules(ROOT)), "a core module moved: update CORE"
+    assert any(_in_core(module) for module in _project_modules(ROOT)), "no core folder"
     violations = layering_violations(ROOT)
     assert not violations, "\n".join(violations)
 
@@ -167,15 +163,19 @@ CLEAN_TREE = {
     "ipc/schema.py": "from shared import config\n",
     "ipc/client.py": "import zmq\nfrom . import schema\nfrom .schema import Message\n",
     "scheduler_svc/__init__.py": "",
-    "scheduler_svc/request.py": "from shared.config import Config\n",
-    "scheduler_svc/scheduler.py": (
+    "scheduler_svc/core/request.py": "from shared.config import Config\n",
+    "scheduler_svc/core/scheduler.py": (
         "from ipc.schema import BatchPlan\nfrom . import request\nfrom .request import Sequence\n"
     ),
     "scheduler_svc/daemon.py": "import zmq\nfrom ipc.client import Client\nimport tokenizers\n",
     "gpu_worker/__init__.py": "",
-    "gpu_worker/engine.py": "import torch\nfrom scheduler_svc.scheduler import Scheduler\n",
+    "gpu_worker/model_runner.py": "import torch\nfrom ipc.schema import BatchPlan\n",
+    "expeditor/llm.py": (
+        "import torch\nfrom gpu_worker.model_runner import ModelRunner\n"
+        "from scheduler_svc.core.scheduler import Scheduler\n"
+    ),
     "expeditor/__init__.py": "",
-    "expeditor/cli.py": "def serve():\n    from gpu_worker.engine import LLM\n",
+    "expeditor/cli.py": "def serve():\n    from expeditor.llm import LLM\n",
     "expeditor/bench/__init__.py": "",
     "expeditor/bench/run.py": "from ..cli import serve\nfrom .. import cli\n",
     "benchmarks/anything.py": "import expeditor.cli\nimport torch\n",
@@ -227,27 +227,30 @@ LAZY = "def f():\n    {}\n"
             ],
         ),
         (
-            "scheduler_svc/queues.py",
+            "scheduler_svc/core/queues.py",
             LAZY.format("import torch"),
             [
-                f"queues.py:2: scheduler_svc.queues imports torch: {RULE_3}",
-                f"queues.py:2: scheduler_svc.queues imports torch: {RULE_4}",
+                f"queues.py:2: scheduler_svc.core.queues imports torch: {RULE_3}",
+                f"queues.py:2: scheduler_svc.core.queues imports torch: {RULE_4}",
             ],
         ),
         (
-            "scheduler_svc/policies.py",
+            "scheduler_svc/core/policies.py",
             "import zmq\n",
-            [f"policies.py:1: scheduler_svc.policies imports zmq: {RULE_3}"],
+            [f"policies.py:1: scheduler_svc.core.policies imports zmq: {RULE_3}"],
         ),
         (
-            "scheduler_svc/kv_manager.py",
-            "from . import daemon\n",
-            [f"kv_manager.py:1: scheduler_svc.kv_manager imports scheduler_svc.daemon: {RULE_3}"],
+            "scheduler_svc/core/kv_manager.py",
+            "from .. import daemon\n",
+            [
+                "kv_manager.py:1: scheduler_svc.core.kv_manager imports scheduler_svc.daemon: "
+                + RULE_3
+            ],
         ),
         (
-            "scheduler_svc/introspection.py",
+            "scheduler_svc/core/introspection.py",
             LAZY.format("from ipc.client import Client"),
-            [f"introspection.py:2: scheduler_svc.introspection imports ipc.client: {RULE_3}"],
+            [f"introspection.py:2: scheduler_svc.core.introspection imports ipc.client: {RULE_3}"],
         ),
         (
             "scheduler_svc/supervisor.py",
@@ -256,13 +259,13 @@ LAZY = "def f():\n    {}\n"
         ),
         (
             "scheduler_svc/launch.py",
-            LAZY.format("from gpu_worker import engine"),
-            [
-                f"launch.py:2: scheduler_svc.launch imports gpu_worker.engine: {RULE_4}",
-                "package cycle between scheduler_svc, gpu_worker (rule 6): gpu_worker -> "
-                "scheduler_svc (gpu_worker/engine.py:2 imports scheduler_svc.scheduler); "
-                "scheduler_svc -> gpu_worker (scheduler_svc/launch.py:2 imports gpu_worker.engine)",
-            ],
+            LAZY.format("from gpu_worker import model_runner"),
+            [f"launch.py:2: scheduler_svc.launch imports gpu_worker.model_runner: {RULE_4}"],
+        ),
+        (
+            "gpu_worker/runner.py",
+            "from scheduler_svc.core import scheduler\n",
+            [f"runner.py:1: gpu_worker.runner imports scheduler_svc.core.scheduler: {RULE_7}"],
         ),
         (
             "gpu_worker/runner.py",
@@ -296,14 +299,14 @@ def test_the_checker_reports_each_broken_rule(
 def test_the_checker_reports_every_violation_at_once(tmp_path: Path) -> None:
     bad = {
         "shared/x.py": "import scheduler_svc\n",
-        "scheduler_svc/queues.py": LAZY.format("import torch"),
-        "ipc/x.py": "from gpu_worker.engine import LLM\n",
+        "scheduler_svc/core/queues.py": LAZY.format("import torch"),
+        "ipc/x.py": "from gpu_worker.model_runner import ModelRunner\n",
     }
     violations = layering_violations(_tree(tmp_path, {**CLEAN_TREE, **bad}))
     assert [line.split(":")[0] for line in violations] == [
         "ipc/x.py",
-        "scheduler_svc/queues.py",
-        "scheduler_svc/queues.py",
+        "scheduler_svc/core/queues.py",
+        "scheduler_svc/core/queues.py",
         "shared/x.py",
         "package cycle between shared, ipc, scheduler_svc, gpu_worker (rule 6)",
     ]
@@ -338,3 +341,26 @@ def test_no_two_classes_share_a_name() -> None:
             if isinstance(node, ast.ClassDef):
                 defined[node.name].append(module)
     assert {name: where for name, where in defined.items() if len(where) > 1} == {}
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test modules share lives in ``tests/support/``; a test module never
+    imports another (nor conftest), so moving or deleting one breaks no other."""
+    tests = ROOT / "tests"
+    test_modules = {path.stem for path in tests.rglob("test_*.py")} | {"conftest"}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or alias.name for alias in node.names]
+            found += [
+                f"{path.relative_to(ROOT).as_posix()}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[-1] in test_modules or name.split(".")[0] in test_modules
+            ]
+    assert not found, "\n".join(found)

@@ -167,7 +167,7 @@ def _kv_from_snapshot(snapshot: SchedulerSnapshot, block_size: int) -> KVSample:
 def run_inprocess(
     workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
 ) -> TargetRun:
-    from gpu_worker.engine import LLM
+    from expeditor.llm import LLM
     from shared.sampling import SamplingParams
 
     with LLM(model, device=device, **config) as llm:

@@ -21,7 +21,7 @@ build is written under a temporary name and renamed, so concurrent workers never
 half a file. No compiler, a failed build or ``EXPEDITOR_NATIVE_CPU=0`` leaves
 :func:`native_kernels` returning None, and the torch path runs instead (the worker logs
 why once). Results equal the torch reference up to float rounding
-(tests/test_cpu_native.py).
+(tests/kernels/test_cpu_native.py).
 
 The kernel trusts its indices, so :func:`check_step` validates a step's metadata against
 the cache (block ids in range, lengths within the tables, the index arrays' types and
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.tiny_model import cache_dir as expeditor_cache_dir
+from shared.paths import cache_dir as expeditor_cache_dir
 
 __all__ = [
     "Chunk",

@@ -1,0 +1,208 @@
+"""The in-process engine: scheduler core and one model runner, no sockets.
+
+It runs the daemon's step (:class:`~scheduler_svc.step_engine.StepEngine`, with the
+runner as an :class:`~scheduler_svc.step_engine.InlineExecutor`) and the daemon's
+output path (:class:`~scheduler_svc.outputs.OutputProcessor`: detokenization, stop
+strings, logprobs, n>1), so what it returns is what a client of the server gets.
+
+For tests, benchmarks and offline batch jobs::
+
+    from expeditor.llm import LLM
+    from shared import SamplingParams
+
+    with LLM(num_gpu_blocks=256, max_num_batched_tokens=64) as llm:
+        out = llm.generate(["Hello", [1, 72, 105]], SamplingParams(max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from transformers import AutoTokenizer
+
+from gpu_worker.model_runner import ModelRunner, resolve_device
+from gpu_worker.tiny_model import default_model_dir
+from ipc.schema import Finished, ServerMessage
+from scheduler_svc.core.request import RejectedError, Request
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.outputs import ClientRequest, OutputProcessor
+from scheduler_svc.step_engine import InlineExecutor, StepEngine, StepRecord
+from shared.config import SchedulerConfig
+from shared.errors import ConfigError
+from shared.outputs import Completion
+from shared.sampling import SamplingParams
+from shared.swap_pool import SwapPoolSegment
+
+DEFAULT_CPU_BLOCKS = 1024
+"""Device blocks on a machine without CUDA when num_gpu_blocks is not given."""
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model=DIR, **scheduler_config)``; config keywords are SchedulerConfig fields."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str = "auto",
+        dtype: torch.dtype | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
+        model_impl: str = "auto",
+        **scheduler_config: Any,
+    ) -> None:
+        self.model_dir = Path(model) if model is not None else default_model_dir()
+        try:
+            config = SchedulerConfig(**scheduler_config)
+        except TypeError as exc:
+            raise ConfigError(f"unknown engine keyword: {exc}") from None
+        self.device = resolve_device(device)
+        if config.num_gpu_blocks is None and self.device.type != "cuda":
+            config = msgspec.structs.replace(config, num_gpu_blocks=DEFAULT_CPU_BLOCKS)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.runner = ModelRunner(
+            self.model_dir,
+            device=self.device,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_gpu_blocks=config.num_gpu_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            cuda_graphs=cuda_graphs,
+            model_impl=model_impl,
+            dtype=dtype,
+        )
+        self.swap_pool: SwapPoolSegment | None = None
+        if config.num_cpu_blocks:
+            self.swap_pool = SwapPoolSegment.create(
+                config.num_cpu_blocks, self.runner.layout.bytes_per_block
+            )
+            self.runner.kv_cache.attach_swap_pool(self.swap_pool)
+        # Released by close(), or when this engine is garbage-collected without it (the
+        # segment is never left to Python's resource tracker and its exit-time warning).
+        self._release = weakref.finalize(self, _release_swap_pool, self.runner, self.swap_pool)
+        max_len = min(config.max_model_len, self.runner.config.max_position_embeddings)
+        self.config = msgspec.structs.replace(
+            config, num_gpu_blocks=self.runner.num_gpu_blocks, max_model_len=max_len
+        )
+        self.scheduler = Scheduler(
+            self.config,
+            eos_token_ids=self.runner.eos_token_ids,
+            kv_bytes_per_block=self.runner.layout.bytes_per_block,
+            vocab_size=self.runner.vocab_size,
+        )
+        # The runner is looked up at every step, so a test may wrap runner.execute.
+        self.engine = StepEngine(self.scheduler, InlineExecutor(lambda p: self.runner.execute(p)))
+        self.outputs = OutputProcessor(
+            self.tokenizer.backend_tokenizer, self._collect, self.engine.stop_seq
+        )
+        self.finished: dict[str, Completion] = {}
+        """Completions of requests queued with :meth:`add_request`, until taken."""
+        self._next_id = 0
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """Run every prompt to completion; raises RejectedError for one that never fits."""
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of prompts, not one string")
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(per_prompt)} params for {len(prompts)} prompts")
+        request_ids: list[str] = []
+        for index, prompt in enumerate(prompts):
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+            try:
+                self.add_request(
+                    request_id,
+                    self.encode(prompt),
+                    per_prompt[index],
+                    priority=priorities[index] if priorities else 0,
+                )
+            except RejectedError as exc:
+                for earlier in request_ids:
+                    self.scheduler.abort(earlier)
+                    self.outputs.requests.pop(earlier, None)
+                raise RejectedError(exc.code, f"prompt {index}: {exc.message}") from None
+            request_ids.append(request_id)
+        while self.has_work():
+            self.step()
+        return [self.finished.pop(request_id) for request_id in request_ids]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Queue one request; drive :meth:`step` until its Completion is in
+        :attr:`finished` (pop it from there)."""
+        request = self.scheduler.add_request(
+            request_id, prompt_token_ids, params, priority=priority
+        )
+        self.outputs.requests[request_id] = ClientRequest(
+            request_id=request_id,
+            client=b"",
+            owner=b"",
+            stream=False,
+            params=params,
+            prompt_token_ids=list(prompt_token_ids),
+            arrival=time.monotonic(),
+        )
+        return request
+
+    def has_work(self) -> bool:
+        """Requests to run, or steps planned ahead whose results are not applied yet."""
+        return self.engine.has_work()
+
+    def step(self) -> StepRecord:
+        """One step (:class:`StepEngine`), its outputs processed as the daemon does:
+        detokenized, stop strings applied, finished requests collected."""
+        record = self.engine.step()
+        started = time.perf_counter()
+        self.outputs.on_step(record.events)
+        self.engine.times.add_outputs(time.perf_counter() - started)
+        return record
+
+    def _collect(self, client: bytes, message: ServerMessage) -> None:
+        if isinstance(message, Finished):
+            self.finished[message.request_id] = message.completion
+
+    def close(self) -> None:
+        self._release()
+        self.swap_pool = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release_swap_pool(runner: ModelRunner, pool: SwapPoolSegment | None) -> None:
+    runner.kv_cache.detach_swap_pool()
+    if pool is not None:
+        pool.close()

@@ -1,0 +1,100 @@
+"""The scheduler's introspection: invariant checks (tests, the simulator, inspect) and
+the state snapshot that ``expeditor inspect`` shows, read from a :class:`Scheduler`
+and kept apart from its step logic."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ipc.schema import BlockUsage, PrefixCacheStats, SchedulerSnapshot, SeqInfo, SeqStatus
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.scheduler import Scheduler
+
+
+def check_invariants(scheduler: Scheduler) -> list[str]:
+    """Every violated invariant, as a sentence; empty when the state is consistent."""
+    problems: list[str] = []
+    cfg = scheduler.config
+    refs = [0] * scheduler.kv.pool.num_blocks
+    cpu_held = list(scheduler.cpu_release)
+    in_queues: dict[str, str] = {}
+    groups = (
+        ("running", scheduler.running, SeqStatus.RUNNING),
+        ("waiting", list(scheduler.waiting), SeqStatus.WAITING),
+        ("swapped", list(scheduler.swapped), SeqStatus.SWAPPED),
+    )
+    for name, seqs, status in groups:
+        for seq in seqs:
+            if seq.seq_id in in_queues:
+                problems.append(f"{seq.seq_id} is in {in_queues[seq.seq_id]} and {name}")
+            in_queues[seq.seq_id] = name
+            if seq.status is not status:
+                problems.append(f"{seq.seq_id} is in {name} with status {seq.status.value}")
+            for block in seq.block_table:
+                refs[block] += 1
+            cpu_held.extend(seq.cpu_block_table)
+            if not 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_placeholders:
+                problems.append(f"{seq.seq_id}: computed {seq.num_computed_tokens} tokens")
+            if seq.num_placeholders and not scheduler.inflight:
+                problems.append(f"{seq.seq_id}: placeholders with no step in flight")
+            if status is SeqStatus.RUNNING:
+                covered = len(seq.block_table) * scheduler.block_size
+                if covered < seq.num_computed_tokens:
+                    problems.append(f"{seq.seq_id}: blocks do not cover computed tokens")
+            elif seq.block_table:
+                problems.append(f"{seq.seq_id} holds device blocks while {name}")
+            if status is not SeqStatus.SWAPPED and seq.cpu_block_table:
+                problems.append(f"{seq.seq_id} holds CPU blocks while {name}")
+    if set(in_queues) != set(scheduler.seqs):
+        problems.append("live sequences and queued sequences differ")
+    if [s.key for s in scheduler.running] != sorted(s.key for s in scheduler.running):
+        problems.append("running sequences are out of queue order")
+    slots = sum(s.slots_needed for s in scheduler.running)
+    if slots != scheduler.num_running_slots:
+        problems.append(f"running slots counted {scheduler.num_running_slots}, actual {slots}")
+    if slots > cfg.max_num_seqs:
+        problems.append(f"more than max_num_seqs={cfg.max_num_seqs} running")
+    if scheduler.last_plan_tokens > cfg.max_num_batched_tokens:
+        problems.append(f"last plan scheduled {scheduler.last_plan_tokens} tokens")
+    problems += scheduler.kv.pool.check(refs)
+    problems += scheduler.kv.cpu_pool.check(cpu_held)
+    return problems
+
+
+def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
+    """The scheduler's queues, pools, counters and every live sequence."""
+    pool = scheduler.kv.pool
+    seqs = [
+        SeqInfo(
+            seq_id=seq.seq_id,
+            request_id=seq.request.request_id,
+            state=seq.status,
+            priority=seq.request.priority,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            num_gpu_blocks=len(seq.block_table),
+            num_cpu_blocks=len(seq.cpu_block_table),
+            num_preemptions=seq.num_preemptions,
+        )
+        for seq in (*scheduler.running, *scheduler.swapped, *scheduler.waiting)
+    ]
+    return SchedulerSnapshot(
+        step=scheduler.step,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped),
+        gpu_blocks=BlockUsage(
+            total=pool.num_blocks, free=pool.num_free, cached=pool.num_cached_free
+        ),
+        cpu_blocks=BlockUsage(
+            total=scheduler.kv.cpu_pool.num_blocks, free=scheduler.kv.cpu_pool.num_free
+        ),
+        prefix_cache=PrefixCacheStats(
+            queried_tokens=scheduler.kv.queried_tokens, hit_tokens=scheduler.kv.hit_tokens
+        ),
+        preemptions=dict(scheduler.preemptions),
+        finished=dict(scheduler.finished_counts),
+        seqs=seqs,
+    )

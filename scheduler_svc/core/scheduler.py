@@ -1,0 +1,552 @@
+"""The scheduler core: one decision per step, no I/O, no torch.
+
+Each step (:meth:`Scheduler.schedule`):
+
+1. reap: finished and aborted sequences already gave their blocks back when they
+   ended (in :meth:`Scheduler.update` / :meth:`Scheduler.abort`), and the CPU blocks
+   of the previous step's swap-ins were released when its result arrived;
+2. budget: ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences; admission
+   keeps a watermark of free blocks plus one block for each running sequence whose next
+   token starts a new block;
+3. (priority policy) make room: the best waiting or swapped sequence may preempt running
+   sequences ranked after it;
+4. running sequences, in queue order, get their next chunk; one that cannot grow
+   preempts the lowest-ranked running sequence (swap or recompute by the cost model),
+   or itself;
+5. if nothing was preempted, swapped and waiting sequences are resumed / admitted in
+   queue order (prefix-cache hits first, chunked prefill) until the first that does not
+   fit: no overtaking, so nobody starves;
+6. the plan: full data for sequences the workers do not know, deltas for the rest.
+
+:meth:`Scheduler.update` then applies the sampled tokens: it appends them, forks n>1
+samples when their prompt completes, stops sequences (EOS, stop token, max_tokens,
+max_model_len) and frees their blocks. Ending (abort, stop strings) and the recovery
+from a lost worker live in :mod:`scheduler_svc.core.ending`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+
+from ipc.schema import (
+    BatchPlan,
+    BlockUpdate,
+    ErrorCode,
+    SeqStatus,
+    StepResult,
+)
+from scheduler_svc.core.admission import check_request
+from scheduler_svc.core.ending import SequenceEnding
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.policies import (
+    FairShareRounds,
+    PreemptionCostModel,
+    VictimPolicy,
+    make_queue_order,
+)
+from scheduler_svc.core.queues import SeqQueue
+from scheduler_svc.core.request import QueueKey, RejectedError, Request, Sequence
+from scheduler_svc.core.step_records import (
+    InflightStep,
+    StepBuilder,
+    StepReport,
+    UpdateOutcome,
+    WorkerProtocolError,
+)
+from shared.config import SchedulerConfig
+from shared.outputs import FinishReason
+from shared.sampling import SamplingParams
+
+
+def _sort_key(seq: Sequence) -> QueueKey:
+    return seq.key
+
+
+class Scheduler(SequenceEnding):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        eos_token_ids: Iterable[int],
+        kv_bytes_per_block: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        if config.num_gpu_blocks is None:
+            raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        """Prompt token ids must be below it (the model's embedding rows); None = unchecked."""
+        """Token ids that end a sequence unless ignore_eos (a model may list several)."""
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.kv = KVCacheManager(
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            num_cpu_blocks=config.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.order = make_queue_order(config)
+        self.fair_share = FairShareRounds()
+        """Fair-share rounds of the clients with unfinished requests, kept either way;
+        the order uses them when ``config.fair_share``."""
+        self.victims = VictimPolicy(config.max_preemptions)
+        self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
+        self.watermark_blocks = config.watermark_blocks(config.num_gpu_blocks)
+        self.capacity_blocks = config.num_gpu_blocks - self.watermark_blocks
+
+        self.waiting = SeqQueue()
+        self.swapped = SeqQueue()
+        self.running: list[Sequence] = []
+        """In queue order (best first)."""
+        self._running_forks = 0
+        """Samples still to fork from running sequences: slots they already hold."""
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id."""
+        self.seqs: dict[str, Sequence] = {}
+        """Unfinished sequences by id."""
+        self.seq_ids_taken: set[str] = set()
+        """Every sequence id of an unfinished request, forked or still to fork: a new
+        request may take none of them."""
+
+        self.step = 0
+        """Index of the next step to schedule."""
+        self._arrivals = 0
+        self._freed_seq_ids: list[str] = []
+        self._reset_workers = False
+        """The next plan must tell workers to forget everything (a worker was lost)."""
+        self.max_inflight = 2 if config.overlap_scheduling else 1
+        """Steps planned ahead of their results: 2 plans step N+1 while N runs."""
+        self.inflight: deque[InflightStep] = deque()
+        """Planned steps whose results have not been applied, oldest first."""
+        self.last_plan_tokens = 0
+        """Tokens the last plan scheduled."""
+        self.report = StepReport(step=-1)
+        self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
+        self.finished_counts: dict[str, int] = {r.value: 0 for r in FinishReason}
+        self.finished_counts["rejected"] = 0
+
+    # -- submission -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        client: str = "",
+    ) -> Request:
+        """Queue a request, or raise :class:`RejectedError` saying why it never could run.
+
+        ``client`` names who submitted it; with ``fair_share`` clients at equal priority
+        are admitted round-robin. "" is one anonymous client (the in-process engine).
+        """
+        try:
+            request = self._validate(request_id, prompt_token_ids, params, priority, client)
+        except RejectedError:
+            self.finished_counts["rejected"] += 1
+            raise
+        seq = Sequence(request, 0, list(prompt_token_ids), self.order.key(request, 0))
+        seq.pending_forks = params.n - 1
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        for index in range(params.n):
+            self.seq_ids_taken.add(request.seq_id(index))
+        self.seqs[seq.seq_id] = seq
+        self.waiting.push(seq)
+        return request
+
+    def _validate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        client: str,
+    ) -> Request:
+        max_output = check_request(
+            self.config,
+            request_id,
+            prompt,
+            params,
+            priority,
+            client,
+            vocab_size=self.vocab_size,
+            capacity_blocks=self.capacity_blocks,
+        )
+        if request_id in self.requests:
+            raise RejectedError(ErrorCode.DUPLICATE, f"request_id {request_id!r} is already in use")
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}/{index}"
+            if seq_id in self.seq_ids_taken:
+                raise RejectedError(
+                    ErrorCode.DUPLICATE, f"sequence id {seq_id!r} is already in use"
+                )
+        limit = self.config.max_waiting_requests
+        if len(self.waiting) >= limit:
+            raise RejectedError(
+                ErrorCode.OVERLOADED, f"waiting queue is full ({limit} requests); retry later"
+            )
+        self._arrivals += 1
+        request = Request(
+            request_id,
+            list(prompt),
+            params,
+            priority=priority,
+            arrival_step=self.step,
+            arrival_seq=self._arrivals,
+            max_output_tokens=max_output,
+            client=client,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        request.fair_round = self.fair_share.arrive(self.order.priority_term(request), client)
+        return request
+
+    # -- the step -------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether a plan is due: sequences to run, or ended ones the workers must drop."""
+        return bool(self.running or len(self.waiting) or len(self.swapped) or self._freed_seq_ids)
+
+    def can_plan_ahead(self) -> bool:
+        """Whether :meth:`schedule` may plan another step before the oldest result is
+        applied: fewer than ``max_inflight`` in flight, and none forks n>1 samples (the
+        forked sequences are only known from its result)."""
+        inflight = self.inflight
+        return len(inflight) < self.max_inflight and not (inflight and inflight[-1].forks)
+
+    @property
+    def cpu_release(self) -> list[int]:
+        """CPU blocks of the swap-ins in flight (released when their results arrive)."""
+        return [block for step in self.inflight for block in step.cpu_release]
+
+    @property
+    def num_running_slots(self) -> int:
+        """Running sequences, counting the n>1 samples they will fork."""
+        return len(self.running) + self._running_forks
+
+    def schedule(self) -> BatchPlan | None:
+        """Plan the next step. With steps in flight (overlapped scheduling) a sequence
+        whose last token is not back yet computes it as a placeholder; returns None
+        when such a plan would carry nothing for the workers."""
+        if self.inflight and not self.can_plan_ahead():
+            raise RuntimeError("schedule() called with too many steps in flight")
+        cfg = self.config
+        kv = self.kv
+        report = self.report = StepReport(step=self.step)
+        step = StepBuilder()
+        budget = cfg.max_num_batched_tokens
+
+        if cfg.policy == "priority":
+            self._make_room(step, budget)
+
+        # Running sequences, best first; each may preempt those after it.
+        running = self.running
+        preempted_here = False
+        growth_reserve = 0
+        bs = self.block_size
+        pool = kv.pool
+        ref_cnt = pool.ref_cnt
+        last_slot = bs - 1
+        num_scheduled = step.num_scheduled
+        sampling = step.sampling
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            computed = seq.num_computed_tokens
+            pending = seq.num_placeholders
+            num_new = len(seq.token_ids) + pending - computed
+            if pending and self._result_needed(seq):
+                index += 1  # it may end with the token in flight: wait for it
+                continue
+            if num_new == 1 and seq.on_worker and not seq.pending_forks:
+                # A decode (the common case) without kv.append / StepBuilder.add: one
+                # inside its own partial block changes nothing; one that opens a block
+                # takes one; one that fills its block (or opens the next) registers the
+                # full blocks whose tokens are known in the prefix cache.
+                slot = computed % bs
+                if slot and slot != last_slot:
+                    if not pool.num_shared or ref_cnt[seq.block_table[computed // bs]] == 1:
+                        num_scheduled[seq.seq_id] = 1
+                        seq.num_computed_tokens = computed + 1
+                        seq.num_placeholders = pending + 1
+                        sampling.append(seq)
+                        budget -= 1
+                        index += 1
+                        continue
+                elif self._decode_at_block_edge(seq, slot, step):
+                    seq.num_computed_tokens = computed + 1
+                    seq.num_placeholders = pending + 1
+                    sampling.append(seq)
+                    budget -= 1
+                    index += 1
+                    if slot == last_slot:
+                        growth_reserve += 1
+                    continue
+            if num_new > 1:
+                num_new = self._chunk(num_new, budget)
+            while not kv.can_append(seq, num_new):
+                victim = self.victims.choose(running, index)
+                self._preempt(victim, step)
+                preempted_here = True
+                if victim == index:
+                    break
+            else:
+                self._schedule_seq(seq, num_new, step)
+                budget -= num_new
+                if seq.num_computed_tokens % bs == 0:
+                    growth_reserve += 1
+                index += 1
+
+        # Resume swapped and admit waiting sequences, in queue order, no overtaking.
+        cpu_release: list[int] = []
+        if not preempted_here:
+            reserve = self.watermark_blocks + growth_reserve
+            while budget > 0:
+                candidate, from_swapped = self._next_candidate()
+                if (
+                    candidate is None
+                    or candidate.num_placeholders  # preempted with a token in flight
+                    or self.num_running_slots + candidate.slots_needed > cfg.max_num_seqs
+                ):
+                    break
+                seq = candidate
+                if from_swapped:
+                    num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                    hits = kv.find_swap_hits(seq)
+                    if not kv.can_swap_in(seq, hits, num_new, reserve):
+                        break
+                    self.swapped.pop()
+                    pairs, cpu_blocks = kv.swap_in(seq, hits)
+                    step.swap_in.extend(pairs)
+                    cpu_release.extend(cpu_blocks)
+                    report.swapped_in.append(seq.seq_id)
+                else:
+                    hits = kv.find_prefix(seq)
+                    num_new = self._chunk(seq.num_tokens - len(hits) * bs, budget)
+                    if not kv.can_admit(seq, hits, num_new, reserve):
+                        break
+                    self.waiting.pop()
+                    kv.admit(seq, hits)
+                    report.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
+                seq.status = SeqStatus.RUNNING
+                bisect.insort(running, seq, key=_sort_key)
+                self._running_forks += seq.pending_forks
+                self._schedule_seq(seq, num_new, step)
+                budget -= num_new
+
+        if self.inflight and not (
+            num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
+        ):
+            return None  # nothing for the workers until a result is back
+        plan = step.plan(self.step, self._freed_seq_ids, reset=self._reset_workers)
+        self._freed_seq_ids = []
+        self._reset_workers = False
+        self.inflight.append(
+            InflightStep(
+                self.step,
+                num_scheduled,
+                step.sampling,
+                bool(step.num_samples),
+                cpu_release,
+                step.swapped_out,
+            )
+        )
+        self.last_plan_tokens = cfg.max_num_batched_tokens - budget
+        self.step += 1
+        return plan
+
+    def _result_needed(self, seq: Sequence) -> bool:
+        """Whether ``seq``, with tokens in flight, must wait for them before it is planned
+        again: it forks when they are back, or reaches its length limit with them."""
+        return bool(seq.pending_forks) or (
+            len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
+        )
+
+    def _decode_at_block_edge(self, seq: Sequence, slot: int, step: StepBuilder) -> bool:
+        """Schedule a known decode that opens a block (``slot`` 0: one block from the
+        pool) or fills its block (the last slot, not shared), registering the full blocks
+        whose tokens are known; False when it needs the general way (copy-on-write, or
+        no free block)."""
+        kv = self.kv
+        pool = kv.pool
+        computed = seq.num_computed_tokens
+        if slot:
+            if pool.num_shared and pool.ref_cnt[seq.block_table[computed // self.block_size]] != 1:
+                return False
+        elif pool.num_free:
+            (block,) = pool.allocate(1)
+            seq.block_table.append(block)
+            step.block_updates.append(BlockUpdate(seq_id=seq.seq_id, appended=[block]))
+        else:
+            return False
+        step.num_scheduled[seq.seq_id] = 1
+        if kv.enable_prefix_caching:
+            known = min(computed + 1, len(seq.token_ids))
+            if known // self.block_size > seq.num_cached_blocks:
+                kv.cache_full_blocks(seq, known)
+        return True
+
+    def _chunk(self, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _next_candidate(self) -> tuple[Sequence | None, bool]:
+        """The best sequence to resume or admit, and whether it is a swapped one."""
+        swapped = self.swapped.peek()
+        waiting = self.waiting.peek()
+        if swapped is not None and (waiting is None or swapped.key < waiting.key):
+            return swapped, True
+        return waiting, False
+
+    def _make_room(self, step: StepBuilder, budget: int) -> None:
+        """Priority policy: preempt running sequences ranked after the best queued one
+        until its first chunk fits (blocks and sequence slots).
+
+        Fair-share rounds never make a new arrival outrank a running sequence of its
+        priority term, so they add no preemptions here (see ``FairShareRounds``)."""
+        seq, from_swapped = self._next_candidate()
+        if seq is None or not self.running or self.running[-1].key < seq.key:
+            return  # nobody running ranks after it: nothing to take room from
+        if seq.num_placeholders:
+            return  # preempted with a token in flight: admitted once it is back
+        kv = self.kv
+        if from_swapped:
+            hits = kv.find_swap_hits(seq)
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            fits = kv.can_swap_in
+        else:
+            hits = kv.find_prefix(seq)
+            num_new = self._chunk(seq.num_tokens - len(hits) * self.block_size, budget)
+            fits = kv.can_admit
+        while not (
+            fits(seq, hits, num_new, self.watermark_blocks)
+            and self.num_running_slots + seq.slots_needed <= self.config.max_num_seqs
+        ):
+            victim = self.victims.choose_for_admission(self.running, seq.key)
+            if victim is None:
+                return
+            self._preempt(victim, step)
+
+    def _schedule_seq(self, seq: Sequence, num_new: int, step: StepBuilder) -> None:
+        appended, cow = self.kv.append(seq, num_new)
+        step.add(seq, num_new, appended, cow)
+        request = seq.request
+        if request.first_scheduled_step is None:
+            request.first_scheduled_step = self.step
+            self.fair_share.admitted(self.order.priority_term(request), request.fair_round)
+
+    def _preempt(self, index: int, step: StepBuilder) -> None:
+        seq = self.running.pop(index)
+        self._running_forks -= seq.pending_forks
+        mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
+        self._forget_on_worker(seq)
+        seq.num_preemptions += 1
+        if mode == "swap":
+            step.swap_out.extend(self.kv.swap_out(seq))
+            step.swapped_out.append(seq)
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.push(seq)
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.push(seq)
+        self.preemptions[mode] += 1
+        self.report.preempted.append((seq.seq_id, mode))
+
+    # -- results --------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> UpdateOutcome:
+        """Apply the oldest step in flight's sampled tokens; stop and free what finished.
+
+        A sequence preempted after that step was planned still gets its token (it is
+        waiting or swapped now); one that ended meanwhile (abort, stop string, or EOS
+        of the step before) drops it."""
+        if not self.inflight:
+            raise RuntimeError("update() without a scheduled step")
+        done = self.inflight[0]
+        if result.step != done.step:
+            raise WorkerProtocolError(f"result for step {result.step}, expected {done.step}")
+        self.inflight.popleft()
+        # The swap-ins of that step have run: their CPU blocks are free again.
+        self.kv.cpu_pool.release(done.cpu_release)
+        sampled = result.sampled_token_ids
+        logprobs = result.logprobs or {}
+        outcome = UpdateOutcome()
+        advanced = outcome.advanced
+        finished = SeqStatus.FINISHED
+        for seq in done.sampling:
+            seq.num_placeholders -= 1
+            if seq.status is finished:
+                continue
+            tokens = sampled.get(seq.seq_id)
+            if tokens and len(tokens) == 1 and not seq.pending_forks and not logprobs:
+                # One token, nothing to fork, no logprobs: _append_token inlined (a call
+                # per token is 6% of the core's time per generated token); keep them alike.
+                token = tokens[0]
+                token_ids = seq.token_ids
+                token_ids.append(token)
+                advanced.append(seq)
+                if (
+                    token in seq.stop_ids
+                    and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
+                ):
+                    self._finish(seq, FinishReason.STOP, outcome)
+                elif len(token_ids) >= seq.max_num_tokens:
+                    self._finish(seq, FinishReason.LENGTH, outcome)
+                continue
+            if not tokens or len(tokens) != 1 + seq.pending_forks:
+                raise WorkerProtocolError(
+                    f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
+                )
+            # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
+            entries = logprobs.get(seq.seq_id)
+            if seq.pending_forks:
+                for index, token in enumerate(tokens[1:], start=1):
+                    child = self._fork(seq, index)
+                    if entries:
+                        outcome.logprobs[child.seq_id] = entries[index]
+                    self._append_token(child, token, outcome)
+            if entries:
+                outcome.logprobs[seq.seq_id] = entries[0]
+            self._append_token(seq, tokens[0], outcome)
+        return outcome
+
+    def _fork(self, parent: Sequence, sample_index: int) -> Sequence:
+        request = parent.request
+        child = Sequence(
+            request,
+            sample_index,
+            list(parent.token_ids),
+            self.order.key(request, sample_index),
+        )
+        self.kv.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        child.num_preemptions = parent.num_preemptions
+        request.seqs.append(child)
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_sort_key)
+        parent.pending_forks -= 1
+        self._running_forks -= 1
+        return child
+
+    def _append_token(self, seq: Sequence, token: int, outcome: UpdateOutcome) -> None:
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        outcome.advanced.append(seq)
+        # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
+        # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.
+        if (
+            token in seq.stop_ids
+            and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
+        ):
+            self._finish(seq, FinishReason.STOP, outcome)
+        elif len(token_ids) >= seq.max_num_tokens:
+            self._finish(seq, FinishReason.LENGTH, outcome)

@@ -1,0 +1,132 @@
+"""The correctness oracle: greedy outputs equal transformers' generate() run alone.
+
+For each supported architecture (tiny random checkpoints), a mixed batch of prompts
+goes through the in-process engine under configurations that force chunked prefill,
+prefix-cache hits, swap and recompute preemption, and n>1 forks with copy-on-write.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.hf_reference import PROMPTS, hf_greedy
+
+from expeditor.llm import LLM
+from gpu_worker.tiny_model import ARCHS, make_tiny_model
+from ipc.schema import BatchPlan, StepResult
+from scheduler_svc.core.introspection import check_invariants
+from shared.sampling import SamplingParams
+
+MAX_TOKENS = 12
+DEVICE = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
+"""``cuda`` runs the oracle on the GPU (Triton kernels), in float32 on both sides."""
+
+
+SCENARIOS: dict[str, dict[str, object]] = {
+    "chunked": {"block_size": 8, "num_gpu_blocks": 128, "max_num_batched_tokens": 16},
+    "prefix": {"block_size": 4, "num_gpu_blocks": 128, "max_num_batched_tokens": 512},
+    "swap": {
+        "block_size": 4,
+        "num_gpu_blocks": 24,
+        "num_cpu_blocks": 128,
+        "max_num_batched_tokens": 64,
+        "preemption_mode": "swap",
+        "watermark": 0.0,
+    },
+    "recompute": {
+        "block_size": 4,
+        "num_gpu_blocks": 24,
+        "max_num_batched_tokens": 64,
+        "preemption_mode": "recompute",
+        "watermark": 0.0,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", arch=request.param)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> dict[int, list[int]]:
+    """transformers' greedy output for each prompt, run alone."""
+    return dict(enumerate(hf_greedy(checkpoint, PROMPTS, MAX_TOKENS, DEVICE)))
+
+
+class PlanLog:
+    """Records every plan and result the engine's runner sees."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.plans: list[BatchPlan] = []
+        inner = llm.runner.execute
+
+        def execute(plan: BatchPlan) -> StepResult:
+            self.plans.append(plan)
+            return inner(plan)
+
+        llm.runner.execute = execute  # type: ignore[method-assign]
+
+    def count(self, field: str) -> int:
+        return sum(len(getattr(p, field)) for p in self.plans)
+
+
+@pytest.fixture
+def engine_factory(checkpoint: Path) -> Iterator[type]:
+    made: list[LLM] = []
+
+    def make(**config: object) -> LLM:
+        llm = LLM(checkpoint, device=DEVICE, dtype=torch.float32, max_model_len=256, **config)
+        made.append(llm)
+        return llm
+
+    yield make  # type: ignore[misc]
+    for llm in made:
+        llm.close()
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_transformers(
+    scenario: str, engine_factory, expected: dict[int, list[int]]
+) -> None:
+    llm = engine_factory(**SCENARIOS[scenario])
+    log = PlanLog(llm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(PROMPTS, greedy)
+    for index, completion in enumerate(outputs):
+        assert completion.token_ids == expected[index], f"prompt {index} ({scenario})"
+    sched = llm.scheduler
+    assert check_invariants(sched) == []
+    if scenario == "chunked":
+        assert max(p.total_tokens for p in log.plans) <= 16
+        assert any(
+            n > 1 and n < len(PROMPTS[2])
+            for p in log.plans
+            for n in p.num_scheduled_tokens.values()
+        )
+    if scenario == "prefix":
+        assert sched.kv.hit_tokens >= 32 * 3
+    if scenario == "swap":
+        assert sched.preemptions["swap"] > 0 and sched.preemptions["recompute"] == 0
+        assert log.count("swap_out") > 0 and log.count("swap_in") > 0
+        assert llm.swap_pool is not None
+    if scenario == "recompute":
+        assert sched.preemptions["recompute"] > 0 and sched.preemptions["swap"] == 0
+
+
+def test_n_samples_fork_with_copy_on_write(engine_factory, expected: dict[int, list[int]]) -> None:
+    llm = engine_factory(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=64)
+    log = PlanLog(llm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=3)
+    # Prompt 1 has 18 tokens: its last block is partial, so the samples copy it.
+    outputs = llm.generate([PROMPTS[1], PROMPTS[3]], greedy)
+    for completion, index in zip(outputs, (1, 3), strict=True):
+        assert [s.index for s in completion.samples] == [0, 1, 2]
+        for sample in completion.samples:
+            assert sample.token_ids == expected[index]
+    assert log.count("copies") >= 2
+    assert any(p.num_samples for p in log.plans)

@@ -1,0 +1,44 @@
+"""The correctness oracle: transformers' own greedy ``generate()``, each prompt run
+alone, for the tests that compare expeditor's outputs with it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def hf_greedy(
+    checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
+    """The new tokens transformers generates greedily (float32) for each prompt."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    model.eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+SHARED = list(range(40, 72))  # a 32-token common prefix
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    private = [[1] + [rng.randrange(3, 259) for _ in range(n)] for n in (4, 17, 40, 9, 25)]
+    shared = [[1, *SHARED, *[rng.randrange(3, 259) for _ in range(n)]] for n in (3, 11)]
+    return private + shared + [[1, *SHARED]] * 2  # two identical prompts
+
+
+PROMPTS = _prompts()

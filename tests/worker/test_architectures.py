@@ -1,0 +1,172 @@
+"""The architectures beyond the Llama layout: their tiny checkpoints, the refusals for
+what stays unsupported, the model heads' logit post-processing, and greedy output
+through `expeditor serve` equal to transformers (the in-process oracle for every arch
+is tests/e2e/test_oracle.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from support.hf_reference import hf_greedy
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from expeditor.llm import LLM
+from gpu_worker import tiny_model
+from gpu_worker.architectures import SUPPORTED, check_supported
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tiny_model import ARCHS, make_tiny_model
+from ipc.client import AsyncClient
+from scheduler_svc.launch import running_server
+from shared.sampling import SamplingParams
+
+NEW_ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmo2", "granite")
+WINDOWED = {"mistral": [1, 1], "qwen2": [0, 1], "gemma2": [1, 0], "gemma3": [1, 0]}
+"""Arch -> per layer: 1 where the tiny checkpoint's layer has a sliding window."""
+MAX_TOKENS = 10
+PROMPTS = [
+    [1, *range(40, 90)],  # 51 tokens + 10 generated: well past the 22-token window
+    [1, 72, 101, 108, 108, 111],
+    [1, *range(200, 230)],
+]
+
+
+@pytest.fixture(scope="module", params=NEW_ARCHS)
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    arch = request.param
+    path = make_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
+    return arch, path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_every_arch_is_supported_and_its_checkpoint_complete(built) -> None:
+    arch, path, model = built
+    config = model.config
+    assert config.model_type == ("gemma3_text" if arch == "gemma3" else arch)
+    assert config.model_type in SUPPORTED
+    check_supported(config)
+    weights = load_file(path / "model.safetensors")
+    assert set(weights) == set(model.state_dict())  # nothing left at its init
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    again = make_tiny_model(path.parent / "again", arch=arch)
+    assert (again / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+    assert json.loads((path / tiny_model.MARKER_NAME).read_text())["arch"] == arch
+    if arch == "gemma2":
+        assert config.attn_logit_softcapping == tiny_model.ATTN_SOFTCAP
+        assert config.final_logit_softcapping == tiny_model.FINAL_SOFTCAP
+    if arch in ("mixtral", "qwen3_moe"):
+        assert any(len(t.shape) == 3 for t in weights.values())  # stacked experts
+
+
+def test_greedy_generation_is_not_degenerate(built) -> None:
+    _arch, _path, model = built
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)
+        new = out[0, len(prompt) :].tolist()
+        assert len(set(new)) >= 4, (prompt, new)
+        assert all(token == 2 or 3 <= token < 259 for token in new)
+
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+def test_sliding_windows_are_on_where_declared_and_change_the_output(
+    arch: str, tmp_path: Path
+) -> None:
+    path = make_tiny_model(tmp_path / arch, arch=arch)
+    config = AutoConfig.from_pretrained(path)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * 2
+    assert [int(t == "sliding_attention") for t in layer_types] == WINDOWED[arch]
+    assert config.sliding_window == tiny_model.SLIDING_WINDOW
+    # The window matters for these prompts: without it transformers answers otherwise.
+    windowed = hf_greedy(path, PROMPTS[:1], 20)
+    config.sliding_window = 4096  # wider than any context here: no window in effect
+    config.save_pretrained(path)
+    assert hf_greedy(path, PROMPTS[:1], 20) != windowed
+
+
+def _write_config(directory: Path, config: transformers.PretrainedConfig) -> Path:
+    directory.mkdir(parents=True)
+    config.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (transformers.T5Config(), "encoder-decoder"),
+        (transformers.Gemma3Config(), "multimodal"),
+        (transformers.GPT2Config(), "'gpt2' is not supported"),
+        (
+            transformers.Gemma3TextConfig(layer_types=["chunked_attention", "full_attention"],
+                                          num_hidden_layers=2),
+            "chunked_attention",
+        ),
+    ],
+)  # fmt: skip
+def test_unsupported_checkpoints_are_refused_before_loading_weights(
+    config: transformers.PretrainedConfig, words: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=words):
+        check_supported(config)
+    # A directory with no weights at all: the refusal comes first, not a missing file.
+    directory = _write_config(tmp_path / "ckpt", config)
+    with pytest.raises(ValueError, match=words):
+        ModelRunner(directory, device=torch.device("cpu"), block_size=16,
+                    max_num_batched_tokens=64, num_gpu_blocks=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "granite"])
+def test_logprobs_follow_the_models_own_head(arch: str, tmp_path: Path) -> None:
+    """Final-logit soft-capping (Gemma) and logit scaling (Granite) happen after the
+    LM head: the engine's logprobs must be transformers' log-softmax of its logits."""
+    path = make_tiny_model(tmp_path / arch, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    with LLM(path, device="cpu", dtype=torch.float32, num_gpu_blocks=32) as llm:
+        (completion,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
+                                                               logprobs=5))  # fmt: skip
+    (entry,) = completion.samples[0].logprobs
+    assert len(entry) >= 5
+    for token, logprob in entry.items():
+        assert logprob == pytest.approx(float(want[token]), abs=1e-4), token
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_serve_greedy_equals_transformers(arch: str, tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / arch, arch=arch)
+    expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
+
+    async def run(address: str) -> list[list[int]]:
+        async with AsyncClient(address, timeout=120) as client:
+            done = await asyncio.gather(
+                *(
+                    client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                    for p in PROMPTS
+                )
+            )
+        return [c.token_ids for c in done]
+
+    # Small blocks and token budget: chunked prefill across window boundaries.
+    flags = ("--block-size", "8", "--max-num-batched-tokens", "24", "--num-gpu-blocks", "64")
+    with running_server(path, *flags) as (address, _):
+        assert asyncio.run(run(address)) == expected
+
+
+def test_make_tiny_model_offers_every_arch(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from expeditor.cli import app
+
+    result = CliRunner().invoke(app, ["make-tiny-model", "--help"])
+    for arch in ARCHS:
+        assert arch in result.output
+    made = CliRunner().invoke(app, ["make-tiny-model", str(tmp_path / "g"), "--arch", "gemma2"])
+    assert made.exit_code == 0, made.output
+    assert AutoConfig.from_pretrained(tmp_path / "g").model_type == "gemma2"

@@ -1,0 +1,234 @@
+"""gpu_worker.cuda_graphs without a GPU: bucket choice, padding (a padded decode step's
+real rows equal the unpadded step's, on the CPU path and on the Triton path under the
+interpreter), replay through the static inputs (the CUDA graph faked by an eager
+re-run), and the fallback off CUDA. The capture itself is checked by
+benchmarks/gpu_check.sh on a GPU."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from expeditor.llm import LLM
+from gpu_worker.cuda_graphs import (
+    DecodeGraphs,
+    bucket_for,
+    graph_buckets,
+    is_decode_only,
+    pad_decode,
+)
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step_inputs import StepInputs
+from gpu_worker.tiny_model import make_tiny_model
+from shared.sampling import SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def runner(checkpoint: Path) -> ModelRunner:
+    return ModelRunner(
+        checkpoint,
+        device=torch.device("cpu"),
+        block_size=BLOCK,
+        max_num_batched_tokens=256,
+        num_gpu_blocks=64,
+        dtype=torch.float32,
+    )
+
+
+def test_buckets() -> None:
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_buckets(256)[-3:] == [224, 240, 256]
+    buckets = graph_buckets(40)
+    assert [bucket_for(n, buckets) for n in (1, 3, 5, 9, 16, 17, 33, 40)] == [
+        1,
+        4,
+        8,
+        16,
+        16,
+        32,
+        40,
+        40,
+    ]
+    assert bucket_for(41, buckets) is None
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_buckets(0)
+
+
+def _prefill(runner: ModelRunner, contexts: list[list[int]]) -> list[list[int]]:
+    """Fill the cache with the contexts (each in its own blocks); their block tables."""
+    tables, inputs, first = [], StepInputs(), 0
+    for tokens in contexts:
+        blocks = -(-(len(tokens) + 1) // BLOCK)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+        inputs.token_ids.extend(tokens)
+        inputs.starts.append(0)
+        inputs.tables.append(tables[-1])
+        inputs.query_start_loc.append(inputs.query_start_loc[-1] + len(tokens))
+    runner.forward_only(inputs)
+    return tables
+
+
+def _decode_arrays(contexts: list[list[int]], tables: list[list[int]]) -> dict[str, np.ndarray]:
+    inputs = StepInputs(
+        token_ids=[7 + i for i in range(len(contexts))],
+        starts=[len(c) for c in contexts],
+        tables=tables,
+        query_start_loc=list(range(len(contexts) + 1)),
+    )
+    arrays = inputs.host_arrays(BLOCK)
+    arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
+    return arrays
+
+
+def _hidden(runner: ModelRunner, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    with torch.inference_mode():
+        return runner._run_model(runner.staging.to_device(arrays), runner.kv_cache).clone()
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton-path"])
+def test_padding_rows_do_not_change_the_real_rows(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, triton: bool
+) -> None:
+    if triton:
+        monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
+    contexts = [list(range(1, 1 + n)) for n in (5, 17, 33)]
+    # A cache of zeros: the other parameter's run left the same K/V in the same slots,
+    # where a write of (nearly) the same values would not show as a write.
+    runner.kv_cache.kv.zero_()
+    tables = _prefill(runner, contexts)
+    arrays = _decode_arrays(contexts, tables)
+    assert is_decode_only(arrays)
+    before = runner.kv_cache.kv.clone()
+    eager = _hidden(runner, arrays)
+    after_eager = runner.kv_cache.kv.clone()
+    runner.kv_cache.kv.copy_(before)
+    padded = pad_decode(arrays, 8, width=6)
+    assert padded["block_tables"].shape == (8, 6)
+    assert padded["slot_mapping"][3:].tolist() == [-1] * 5  # nothing stored for padding
+    assert padded["query_start_loc"].tolist() == list(range(9))
+    replayed = _hidden(runner, padded)
+    torch.testing.assert_close(replayed[:3], eager, rtol=1e-5, atol=1e-5)
+    # The same slots written (no more: padding stores nothing), with the same values.
+    written = (runner.kv_cache.kv != before).flatten(-2).any(-1)  # per slot
+    assert torch.equal(written, (after_eager != before).flatten(-2).any(-1))
+    torch.testing.assert_close(runner.kv_cache.kv, after_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_refuses_what_does_not_fit() -> None:
+    arrays = _decode_arrays([[1, 2]] * 3, [[0]] * 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_decode(arrays, 2, width=4)
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in: replay re-runs the captured forward eagerly into the
+    captured output tensor, over the same static inputs."""
+
+    replay_fn: Any = None
+
+    def replay(self) -> None:
+        self.replay_fn()
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_replay_goes_through_the_static_inputs(runner: ModelRunner, fake_cuda_graphs: None) -> None:
+    planned: list[int] = []
+
+    def forward(tensors: dict[str, torch.Tensor], schedule: object) -> torch.Tensor:
+        assert schedule == "schedule-of-the-bucket"
+        return runner._run_model(tensors, runner.kv_cache)
+
+    def plan(arrays: dict[str, np.ndarray]) -> str:
+        planned.append(arrays["seq_lens"].shape[0])
+        return "schedule-of-the-bucket"
+
+    graphs = DecodeGraphs(
+        forward,
+        plan,
+        max_num_seqs=4,
+        width=6,
+        device=torch.device("cpu"),
+        staging=runner.staging,
+    )
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert planned == [4, 2, 1]  # one schedule per bucket, kept with its graph
+    for bucket, graph in graphs.graphs.items():
+        static, out = graphs._inputs[bucket], graphs._outputs[bucket]
+        schedule = graphs._schedules[bucket]
+        graph.replay_fn = lambda s=static, o=out, p=schedule: o.copy_(forward(s, p))
+
+    contexts = [list(range(1, 1 + n)) for n in (9, 20, 3)]
+    tables = _prefill(runner, contexts)
+    arrays = _decode_arrays(contexts, tables)
+    before = runner.kv_cache.kv.clone()
+    eager = _hidden(runner, arrays)
+    runner.kv_cache.kv.copy_(before)
+    with torch.inference_mode():
+        replayed = graphs.run(arrays)
+    assert replayed is not None and replayed.shape == eager.shape
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    assert graphs.replays == 1
+    # Steps a graph does not cover run eagerly: a prefill chunk, too many sequences,
+    # a block table wider than captured.
+    chunk = dict(arrays, query_start_loc=np.array([0, 1, 2, 4], dtype=np.int32))
+    assert graphs.run(chunk) is None
+    five = _decode_arrays([[1, 2]] * 5, [[0]] * 5)
+    assert graphs.run(five) is None
+    wide = _decode_arrays([[1, 2]], [[0] * 7])
+    assert graphs.run(wide) is None
+    assert graphs.replays == 1
+
+
+def test_off_cuda_graphs_are_skipped(checkpoint: Path) -> None:
+    with LLM(checkpoint, device="cpu", cuda_graphs=True, max_model_len=64) as llm:
+        assert llm.runner.graphs is None
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+        assert len(out[0].samples[0].token_ids) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_give_the_eager_tokens(checkpoint: Path) -> None:
+    """On a GPU: capture at start-up, replay for decode steps, same greedy tokens as
+    every step eager (float32)."""
+    prompts = [[1, *range(10, 10 + n)] for n in (3, 40, 17, 5, 60)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        with LLM(
+            checkpoint,
+            device="cuda",
+            dtype=torch.float32,
+            cuda_graphs=graphs,
+            max_model_len=128,
+            max_num_seqs=8,
+            num_gpu_blocks=256,
+        ) as llm:
+            runs[graphs] = [o.samples[0].token_ids for o in llm.generate(prompts, params)]
+            if graphs:
+                assert llm.runner.graphs is not None
+                assert llm.runner.graphs.replays > 0
+    assert runs[True] == runs[False]
