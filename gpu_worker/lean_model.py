@@ -1,27 +1,44 @@
-"""A lean forward for the Llama family on the CPU path: the same function as
-transformers' model code, in a fraction of the operations.
+"""The forward of the Llama family: the same function as transformers' model code, in a
+fraction of the operations, on every device and at every tensor-parallel degree.
 
-On a CPU a small model's step is mostly per-operation overhead: transformers' decoder
-layer is some sixty tensor operations and a dozen module calls, each a few microseconds
-whatever the batch. :class:`LeanDecoder` computes the same layers with about twenty:
+Like vLLM and mini-sglang, the worker picks a model implementation by model type, never
+by device: checkpoints of :data:`LEAN_TYPES` run :class:`LeanDecoder` on CPU and CUDA,
+alone or sharded over a tensor-parallel group; the rest run transformers' modules (the
+fallback, like vLLM's Transformers backend), and ``model_impl = "transformers"`` forces
+those for any checkpoint. :func:`why_not_lean` says why a checkpoint is left to them.
+
+A small model's step is mostly per-operation overhead (on a CPU, and on CUDA whenever a
+step is not captured in a graph): transformers' decoder layer is some sixty tensor
+operations and a dozen module calls, each a few microseconds whatever the batch.
+:class:`LeanDecoder` computes the same layers with about twenty:
 
 * q, k and v come from one matmul over the three weights side by side, and so do the
   MLP's gate and up projections (the module's own weights become views of the fused
   ones, so nothing is held twice and transformers' forward still reads them);
 * the rotary embedding's cos/sin are computed once per step, and q and k rotate
   together as one [tokens, heads + kv_heads, head_dim] view;
-* no modules, masks or output objects: plain functions over the weights.
+* no modules, masks or output objects: plain functions over the weights, and no host
+  reads, so a decode step's forward is captured whole in a CUDA graph
+  (:mod:`gpu_worker.cuda_graphs` captures whatever forward the runner runs).
 
 Each operation is the one transformers runs (RMSNorm in float32 as
 ``pow -> mean -> rsqrt``, ``q * cos + rotate_half(q) * sin``, SiLU-gated MLP,
 residual adds), so the outputs agree up to float rounding of the fused matmuls; the
 oracle tests compare its greedy tokens with transformers'.
 
-Which checkpoints (:func:`why_not_lean` says why not, and the runner then keeps
-transformers' forward): model types :data:`LEAN_TYPES` (Llama; Mistral's window on every
+Tensor parallelism: :func:`gpu_worker.tensor_parallel.shard_model` has already left
+each module holding the rank's shard (q/k/v and gate/up column-parallel, o and down
+row-parallel, a row-parallel bias moved to ``tp_bias``), and the decoder reads its
+head counts and MLP width from those weights. The fused weights are then the rank's
+heads and MLP slice; after the o and the down projections it sums the partial outputs
+over the group (``all_reduce``) and adds a row-parallel bias once, after the sum, as
+the modules' hooks do for transformers' forward (which the lean forward does not call).
+Every rank ends each layer with the same full hidden states.
+
+Which checkpoints: model types :data:`LEAN_TYPES` (Llama; Mistral's window on every
 layer; Qwen2's q/k/v biases and windowed layers; Qwen3's per-head q/k norms), SiLU MLPs,
 a rotary embedding whose frequencies do not depend on the sequence (not ``dynamic`` or
-``longrope``), one rank (tensor parallelism shards transformers' modules).
+``longrope``).
 """
 
 from __future__ import annotations
@@ -29,8 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from gpu_worker.attention import StepMetadata, attend
@@ -100,6 +119,14 @@ def _norm(module: nn.Module) -> _Norm:
     return _Norm(module.weight.detach(), float(module.variance_epsilon))
 
 
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    """A projection's bias: a row-parallel one is ``tp_bias`` once sharded."""
+    bias = getattr(linear, "tp_bias", None)
+    if bias is None:
+        bias = linear.bias
+    return None if bias is None else bias.detach()
+
+
 def why_not_lean(model: nn.Module, config: PretrainedConfig) -> str | None:
     """Why :class:`LeanDecoder` cannot compute ``model`` (None: it can)."""
     if config.model_type not in LEAN_TYPES:
@@ -115,20 +142,35 @@ def why_not_lean(model: nn.Module, config: PretrainedConfig) -> str | None:
 
 class LeanDecoder:
     """``decoder(input_ids [T], positions [T], meta) -> hidden [T, hidden]``: the base
-    model's forward (embedding, layers, final norm) over a packed step."""
+    model's forward (embedding, layers, final norm) over a packed step. ``group``: the
+    tensor-parallel group ``model`` is sharded over (None: one rank, unsharded)."""
 
-    def __init__(self, model: nn.Module, config: PretrainedConfig) -> None:
+    def __init__(
+        self, model: nn.Module, config: PretrainedConfig, group: ProcessGroup | None = None
+    ) -> None:
         reason = why_not_lean(model, config)
         if reason is not None:
             raise ValueError(f"no lean forward for this checkpoint: {reason}")
         base = model.model  # type: ignore[attr-defined]
+        world = dist.get_world_size(group) if group is not None else 1
+        self.group: ProcessGroup | None = group if world > 1 else None
+        """Where the row-parallel projections' partial sums are all-reduced."""
         self.embed: torch.Tensor = base.embed_tokens.weight.detach()
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
         self.head_dim: int = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.intermediate: int = config.intermediate_size
+        # This rank's heads and MLP width, from its (sharded) weights.
+        attn, mlp = base.layers[0].self_attn, base.layers[0].mlp
+        self.num_heads: int = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads: int = attn.k_proj.out_features // self.head_dim
+        self.intermediate: int = mlp.gate_proj.out_features
+        full = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+        local = (self.num_heads, self.num_kv_heads, self.intermediate)
+        if tuple(n * world for n in local) != full:
+            raise ValueError(
+                f"heads, KV heads and MLP width {local} on each of {world} rank(s) do not "
+                f"make the checkpoint's {full}: shard the model over the group first"
+            )
         rotary = base.rotary_emb
         self.inv_freq: torch.Tensor = rotary.inv_freq.detach().float()
         self.rope_scaling = float(rotary.attention_scaling)
@@ -153,12 +195,12 @@ class LeanDecoder:
             q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
             k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
             o=attn.o_proj.weight.detach(),
-            o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            o_bias=_bias(attn.o_proj),
             post_norm=_norm(layer.post_attention_layernorm),
             gate_up=gate_up,
             gate_up_bias=gate_up_bias,
             down=mlp.down_proj.weight.detach(),
-            down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+            down_bias=_bias(mlp.down_proj),
             scaling=float(attn.scaling),
             window=window or None,
         )
@@ -170,6 +212,17 @@ class LeanDecoder:
         cos = (emb.cos() * self.rope_scaling).to(dtype)
         sin = (emb.sin() * self.rope_scaling).to(dtype)
         return cos[:, None, :], sin[:, None, :]
+
+    def _row_parallel(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A row-parallel projection: the rank's partial product, summed over the group,
+        then the bias (once); a plain linear on one rank."""
+        if self.group is None:
+            return F.linear(x, weight, bias)
+        out = F.linear(x, weight)
+        dist.all_reduce(out, group=self.group)
+        return out if bias is None else out + bias
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
@@ -204,9 +257,9 @@ class LeanDecoder:
                 layer.scaling,
                 layer.window,
             )
-            x = x + F.linear(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
+            x = x + self._row_parallel(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.post_norm)
             gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
             h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            x = x + F.linear(h, layer.down, layer.down_bias)
+            x = x + self._row_parallel(h, layer.down, layer.down_bias)
         return _rms_norm(x, self.norm)

@@ -93,9 +93,10 @@ class ModelRunner:
         ``cuda_graphs``: capture decode-only steps (:mod:`gpu_worker.cuda_graphs`) for
         up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (default: the
         checkpoint's ``max_position_embeddings``); CUDA only, ignored elsewhere.
-        ``model_impl``: ``auto`` runs a CPU worker of one rank through
-        :class:`~gpu_worker.lean_model.LeanDecoder` where the architecture has one,
-        ``transformers`` always through transformers' model code."""
+        ``model_impl``: ``auto`` runs the checkpoint through
+        :class:`~gpu_worker.lean_model.LeanDecoder` where its model type has one (on any
+        device, sharded or not), else through transformers' model code; ``transformers``
+        always through transformers' model code."""
         if model_impl not in MODEL_IMPLS:
             raise ValueError(
                 f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}"
@@ -122,15 +123,12 @@ class ModelRunner:
         """The lean forward, when this worker runs one (else transformers' forward)."""
         self.model_impl_note = "transformers (model_impl=transformers)"
         """Which forward runs, and why (the worker logs it)."""
-        if model_impl == "auto":
+        if model_impl == "auto":  # by model type, on every device and TP degree
             reason = why_not_lean(self.model, config)
-            if device.type != "cpu":
-                reason = f"device {device.type} (lean: CPU workers)"
-            elif world > 1:
-                reason = "tensor parallelism (lean: one rank)"
             if reason is None:
-                self.lean = LeanDecoder(self.model, config)
-                self.model_impl_note = "lean"
+                self.lean = LeanDecoder(self.model, config, group)
+                sharded = f", sharded over {world} ranks" if world > 1 else ""
+                self.model_impl_note = f"lean (model type {config.model_type!r}{sharded})"
             else:
                 self.model_impl_note = f"transformers ({reason})"
         self.logits = logits_fn(self.model, config)

@@ -1,7 +1,11 @@
 """Tensor-parallel sharding of a loaded Hugging Face causal LM, in place (Megatron-style).
 
 With tensor parallelism of degree N (the world size) every rank holds 1/N of each layer's
-attention heads, KV heads and MLP width, and runs transformers' own model code unchanged:
+attention heads, KV heads and MLP width. Two forwards run over the shards: the lean
+forward (:class:`gpu_worker.lean_model.LeanDecoder`, the one for the model types it
+covers) reads the sharded weights and does the all-reduces below itself; for the other
+types (or ``model_impl = "transformers"``) every rank runs transformers' own model code
+unchanged, the all-reduces coming from the hooks this module registers:
 
 * ``q_proj``, ``k_proj``, ``v_proj`` are column-parallel, split by heads: rank r keeps the
   query heads ``[r*H/N, (r+1)*H/N)`` and the KV heads ``[r*K/N, (r+1)*K/N)`` (rows of the
@@ -10,7 +14,8 @@ attention heads, KV heads and MLP width, and runs transformers' own model code u
   ``num_key_value_groups`` that the attention functions read is unchanged.
 * ``o_proj`` is row-parallel: rank r keeps the input columns of its heads, so its output is
   a partial sum, and a forward hook all-reduces (sums) it over the group. A bias, if any,
-  is taken off the ``Linear`` and added once after the all-reduce (not N times).
+  is taken off the ``Linear`` (kept as ``tp_bias``) and added once after the all-reduce
+  (not N times).
 * The MLP's ``gate_proj`` / ``up_proj`` are column-parallel (a slice of the intermediate
   dimension; the activation is elementwise, so it needs no communication) and
   ``down_proj`` is row-parallel plus the same all-reduce hook. That is two all-reduces per

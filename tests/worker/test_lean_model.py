@@ -13,34 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support.hf_reference import hf_greedy
+from support.runner_steps import BLOCK, NUM_GPU_BLOCKS, PROMPTS, STEPS, agrees_with, run_steps
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from expeditor.llm import LLM
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder, why_not_lean
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import SLIDING_WINDOW, make_tiny_model
-from ipc.schema import BatchPlan, NewSeq
 from shared.errors import ConfigError
-from shared.sampling import SamplingParams
 from shared.server_config import ServerConfig, load_server_config
 
-BLOCK = 8
-SEQ_BLOCKS = 8  # each sequence's own 64 slots: no block updates needed
-PROMPTS = {
-    "a": [1, *range(40, 70)],  # 31 tokens: past the 22-token window, ending inside a block
-    "b": [1, 72, 101, 108, 108, 111],
-    "c": [1, *range(120, 147)],  # 28 tokens, prefilled in two chunks beside decodes
-}
-STEPS: list[dict[str, int]] = [
-    {"a": 31, "b": 6},  # prefill of two prompts of different lengths
-    {"a": 1, "b": 1},
-    {"a": 1, "b": 1},  # an unchanged decode batch (the CPU plan's reuse)
-    {"a": 1, "b": 1, "c": 16},  # c's first chunk (nothing sampled) beside decodes
-    {"a": 1, "b": 1, "c": 12},  # c's last chunk: it samples too
-    {"a": 1, "b": 1, "c": 1},
-    {"a": 1, "b": 1, "c": 1},
-    {"a": 1, "b": 1, "c": 1},
-]
 WINDOWS = {
     "llama": [None, None],
     "mistral": [SLIDING_WINDOW] * 2,
@@ -68,45 +50,10 @@ def _runner(path: Path, model_impl: str) -> ModelRunner:
         device=torch.device("cpu"),
         block_size=BLOCK,
         max_num_batched_tokens=256,
-        num_gpu_blocks=SEQ_BLOCKS * len(PROMPTS),
+        num_gpu_blocks=NUM_GPU_BLOCKS,
         dtype=torch.float32,
         model_impl=model_impl,
     )
-
-
-def _run_steps(runner: ModelRunner) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
-    """:data:`STEPS` through ``runner.execute``: each step's hidden states, and each
-    sequence's sampled tokens."""
-    hidden: list[torch.Tensor] = []
-    forward = runner._forward
-
-    def record(*args: object, **kwargs: object) -> torch.Tensor:
-        out = forward(*args, **kwargs)  # type: ignore[arg-type]
-        hidden.append(out.clone())
-        return out
-
-    runner._forward = record  # type: ignore[method-assign]
-    sampled: dict[str, list[int]] = {seq_id: [] for seq_id in PROMPTS}
-    greedy = SamplingParams(temperature=0.0, max_tokens=len(STEPS))
-    for step, scheduled in enumerate(STEPS):
-        new = [
-            NewSeq(
-                seq_id=seq_id,
-                request_id=seq_id,
-                sample_index=0,
-                token_ids=PROMPTS[seq_id],
-                num_prompt_tokens=len(PROMPTS[seq_id]),
-                num_computed_tokens=0,
-                block_ids=list(range(index * SEQ_BLOCKS, (index + 1) * SEQ_BLOCKS)),
-                sampling=greedy,
-            )
-            for index, seq_id in enumerate(PROMPTS)
-            if seq_id in scheduled and seq_id not in runner.state.seqs
-        ]
-        plan = BatchPlan(step=step, num_scheduled_tokens=scheduled, new_seqs=new)
-        for seq_id, tokens in runner.execute(plan).sampled_token_ids.items():
-            sampled[seq_id].extend(tokens)
-    return hidden, sampled
 
 
 @pytest.mark.parametrize("arch", LEAN_TYPES)
@@ -115,23 +62,19 @@ def test_lean_forward_equals_transformers_forward(
 ) -> None:
     path = checkpoint(arch)
     lean = _runner(path, "auto")
-    assert lean.lean is not None and lean.model_impl_note == "lean"
+    assert lean.lean is not None and lean.model_impl_note == f"lean (model type {arch!r})"
     assert [layer.window for layer in lean.lean.layers] == WINDOWS[arch]
     plain = _runner(path, "transformers")
     assert plain.lean is None
-    lean_hidden, lean_tokens = _run_steps(lean)
-    plain_hidden, plain_tokens = _run_steps(plain)
+    lean_hidden, lean_tokens = run_steps(lean)
+    plain_hidden, plain_tokens = run_steps(plain)
     assert [h.shape[0] for h in lean_hidden] == [sum(s.values()) for s in STEPS]
     for step, (ours, theirs) in enumerate(zip(lean_hidden, plain_hidden, strict=True)):
         torch.testing.assert_close(
             ours, theirs, **TOLERANCE, msg=lambda m, s=step: f"step {s}: {m}"
         )
     assert lean_tokens == plain_tokens
-    assert [len(t) for t in lean_tokens.values()] == [8, 8, 4]
-    expected = hf_greedy(path, list(PROMPTS.values()), 8)
-    for seq_id, want in zip(PROMPTS, expected, strict=True):
-        got = lean_tokens[seq_id]
-        assert got[: len(want)] == want[: len(got)], seq_id
+    assert agrees_with(lean_tokens, hf_greedy(path, list(PROMPTS.values()), 8)), lean_tokens
 
 
 def test_other_architectures_keep_transformers_forward(

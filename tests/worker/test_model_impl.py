@@ -1,0 +1,174 @@
+"""The model implementation follows the model type, not the device: on the CUDA step path
+(the Triton kernels, here under the interpreter, no CPU plan or K/V reuse, decode steps
+replayed from CUDA graphs, the graphs faked) llama, mistral, qwen2 and qwen3 run the lean
+forward, the decode graphs capture the lean forward, every step reads the device once,
+and the hidden states and greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.hf_reference import hf_greedy
+from support.runner_steps import (
+    BLOCK,
+    NUM_GPU_BLOCKS,
+    PROMPTS,
+    SEQ_BLOCKS,
+    STEPS,
+    agrees_with,
+    run_steps,
+)
+
+from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tiny_model import make_tiny_model
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+MAX_NUM_SEQS = 4
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in: what the lean forward computed during the capture, replayed
+    (re-run over the same static inputs, into the same output tensor). A capture that ran
+    any other forward records nothing, and its replays change nothing."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[LeanDecoder, tuple[Any, ...], torch.Tensor]] = []
+
+    def replay(self) -> None:
+        for decoder, args, out in self.captured:
+            out.copy_(_LEAN_CALL(decoder, *args))
+
+
+_LEAN_CALL = LeanDecoder.__call__
+
+
+@pytest.fixture
+def cuda_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton path's kernels (under the interpreter) and faked CUDA graphs."""
+    monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
+
+    @contextmanager
+    def graph(fake: _FakeGraph, pool: object = None) -> Iterator[None]:
+        def recording(decoder: LeanDecoder, *args: Any) -> torch.Tensor:
+            out = _LEAN_CALL(decoder, *args)
+            fake.captured.append((decoder, args, out))
+            return out
+
+        with monkeypatch.context() as patch:
+            patch.setattr(LeanDecoder, "__call__", recording)
+            yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
+        return made[arch]
+
+    return get
+
+
+def _cuda_path_runner(
+    path: Path, model_impl: str, monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> ModelRunner:
+    """A runner set up as on CUDA: no K/V reuse (a CPU-path plan), and with ``graphs``
+    its decode graphs captured as the runner captures them (same forward, same
+    schedules), with no split-KV decodes."""
+    runner = ModelRunner(
+        path,
+        device=torch.device("cpu"),
+        block_size=BLOCK,
+        max_num_batched_tokens=256,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        max_num_seqs=MAX_NUM_SEQS,
+        dtype=torch.float32,
+        model_impl=model_impl,
+    )
+    runner._reuse = None
+    monkeypatch.setattr(runner, "_splits", lambda arrays: False)
+    if graphs:
+        runner.graphs = DecodeGraphs(
+            lambda tensors, schedule: runner._run_model(tensors, runner.kv_cache, None, schedule),
+            lambda arrays: runner.plan_attention(arrays, num_sms=0),
+            max_num_seqs=MAX_NUM_SEQS,
+            width=SEQ_BLOCKS,
+            device=runner.device,
+            staging=runner.staging,
+        )
+        runner.graphs.capture()
+    return runner
+
+
+def _syncs_per_step(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Filled with each executed step's reads of the device."""
+    counts: list[int] = []
+    execute = runner.execute
+
+    def counted(plan: Any) -> Any:
+        before = runner.staging.host_syncs
+        result = execute(plan)
+        counts.append(runner.staging.host_syncs - before)
+        return result
+
+    monkeypatch.setattr(runner, "execute", counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch", LEAN_TYPES)
+def test_the_cuda_path_runs_the_lean_forward(
+    arch: str,
+    checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    cuda_path: None,
+) -> None:
+    path = checkpoint(arch)
+    lean = _cuda_path_runner(path, "auto", monkeypatch, graphs=True)
+    assert lean.lean is not None
+    assert lean.model_impl_note == f"lean (model type {arch!r})"
+    graphs = lean.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    for graph in graphs.graphs.values():
+        # The capture ran the lean forward, once, and the graph's output is its output.
+        assert isinstance(graph, _FakeGraph) and len(graph.captured) == 1
+    for bucket, graph in graphs.graphs.items():
+        assert graph.captured[0][2] is graphs._outputs[bucket]
+    syncs = _syncs_per_step(lean, monkeypatch)
+    eager: list[int] = []
+
+    def counted(decoder: LeanDecoder, *args: Any) -> torch.Tensor:
+        eager.append(args[0].shape[0])
+        return _LEAN_CALL(decoder, *args)
+
+    monkeypatch.setattr(LeanDecoder, "__call__", counted)
+    lean_hidden, lean_tokens = run_steps(lean)
+    # Decode steps replay a graph; the others (prefill, chunks beside decodes) run the
+    # same lean forward eagerly.
+    decodes = [i for i, s in enumerate(STEPS) if set(s.values()) == {1}]
+    assert len(decodes) == 5 and graphs.replays == len(decodes)
+    assert eager == [sum(s.values()) for i, s in enumerate(STEPS) if i not in decodes]
+    assert syncs == [1] * len(STEPS)
+
+    plain = _cuda_path_runner(path, "transformers", monkeypatch, graphs=False)
+    assert plain.lean is None
+    plain_hidden, plain_tokens = run_steps(plain)
+    for step, (ours, theirs) in enumerate(zip(lean_hidden, plain_hidden, strict=True)):
+        torch.testing.assert_close(
+            ours, theirs, **TOLERANCE, msg=lambda m, s=step: f"step {s}: {m}"
+        )
+    assert lean_tokens == plain_tokens
+    assert agrees_with(lean_tokens, hf_greedy(path, list(PROMPTS.values()), 8)), lean_tokens
