@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -204,12 +205,10 @@ def test_compute_result_carries_step_times() -> None:
     assert msgspec.json.decode(msgspec.json.encode(result), type=TargetResult) == result
 
 
-def test_inprocess_bench_json_reports_step_ms() -> None:
+def test_inprocess_bench_json_reports_step_ms(model: Path) -> None:
     from expeditor.bench.run import parse_target, report_json, run_bench
-    from gpu_worker.tiny_model import default_model_dir
 
     load = skewed(4, seed=0, prompt_len=(8, 24), mean_output=4, max_output=8)
-    model = default_model_dir()
     results = run_bench(
         load,
         [parse_target("inprocess"), parse_target("static")],

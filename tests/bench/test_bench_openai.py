@@ -39,7 +39,6 @@ from expeditor.bench.run import parse_target, run_bench, target_config
 from expeditor.bench.targets import TargetError
 from expeditor.bench.workloads import BenchRequest, Workload, skewed
 from expeditor.cli import app
-from gpu_worker.tiny_model import make_tiny_model
 
 STUB_MODEL = "stub-model"
 
@@ -151,11 +150,6 @@ def serving(stub: Stub) -> Iterator[Stub]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("openai") / "m")
 
 
 @pytest.fixture(autouse=True)

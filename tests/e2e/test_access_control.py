@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -17,11 +16,10 @@ from typer.testing import CliRunner
 
 from expeditor.cli import app
 from gpu_worker.daemon import run_worker
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
 from ipc.curve import CurveServer, check_serve_keys, client_curve_options, load_certificate
 from ipc.errors import ClientTimeoutError
-from scheduler_svc.launch import running_server
+from scheduler_svc.launch import free_port, running_server
 from shared.errors import ConfigError
 
 runner = CliRunner()
@@ -37,12 +35,6 @@ def _keygen(directory: Path, name: str) -> tuple[Path, Path]:
     return directory / f"{name}.key", directory / f"{name}.key_secret"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(*flags: str) -> tuple[int, str]:
     """``expeditor serve`` expected to refuse its configuration before starting anything:
     (exit status, stderr with its line wrapping undone)."""
@@ -53,11 +45,6 @@ def _serve(*flags: str) -> tuple[int, str]:
         timeout=60,
     )
     return result.returncode, " ".join(result.stderr.split())
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("access") / "llama", arch="llama")
 
 
 @pytest.fixture
@@ -182,7 +169,7 @@ def test_serve_with_curve_but_no_client_key_is_refused(keys: dict[str, Path]) ->
 
 
 def test_tcp_without_keys_or_opt_out_is_refused() -> None:
-    code, stderr = _serve("--frontend", f"tcp://127.0.0.1:{_free_port()}")
+    code, stderr = _serve("--frontend", f"tcp://127.0.0.1:{free_port()}")
     assert code == 2
     assert "tcp:// is open to every local user; it needs CURVE" in stderr
     assert "frontend:" in stderr and "insecure_tcp = true" in stderr
@@ -204,7 +191,7 @@ def test_client_cli_refuses_half_a_key_pair(keys: dict[str, Path]) -> None:
 
 
 def test_insecure_tcp_serves_and_warns(model: Path) -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     with running_server(model, "--frontend", address, "--insecure-tcp") as (printed, proc):
         assert printed == address
         with Client(address, timeout=60) as client:
@@ -215,13 +202,13 @@ def test_insecure_tcp_serves_and_warns(model: Path) -> None:
 
 
 def test_curve_admits_only_allow_listed_keys(model: Path, keys: dict[str, Path]) -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     flags = [
         "--frontend",
         address,
         # The workers authenticate with serve's client key over CURVE too.
         "--worker-endpoint",
-        f"tcp://127.0.0.1:{_free_port()}",
+        f"tcp://127.0.0.1:{free_port()}",
         "--curve-server-key",
         str(keys["server_secret"]),
         "--curve-authorized-clients",

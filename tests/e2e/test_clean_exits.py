@@ -10,54 +10,44 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.blocking import until
+from support.limits import SERVE_SAFETY_S
+from support.serve import children_in_role
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient
-from scheduler_svc.launch import child_pids, cmdline
-
-SAFETY_S = 120.0
-"""How long a test waits for a condition before it fails: a safety net, not a speed."""
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("exits") / "qwen2", arch="qwen2")
+def qwen2(tiny_checkpoint: Callable[[str], Path]) -> Path:
+    return tiny_checkpoint("qwen2")
 
 
-def _until(condition, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + SAFETY_S
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
-    return value
-
-
-def test_sigterm_while_the_worker_starts_drains_and_exits_0(model: Path, tmp_path: Path) -> None:
+def test_sigterm_while_the_worker_starts_drains_and_exits_0(qwen2: Path, tmp_path: Path) -> None:
     """The worker is held (SIGSTOP) before it says hello, so requests wait in the
     scheduler's backlog and serve is not ready yet; SIGTERM, then the worker goes on:
     every request finishes in the drain, and serve's status is 0."""
     frontend = f"ipc://{tmp_path}/fe.sock"
     serve = subprocess.Popen(
-        [sys.executable, "-m", "expeditor", "serve", "--model", str(model)]
+        [sys.executable, "-m", "expeditor", "serve", "--model", str(qwen2)]
         + ["--frontend", frontend, "--max-num-seqs", "4", "--num-gpu-blocks", "256"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
-        worker = _until(
-            lambda: next((p for p in child_pids(serve.pid) if " worker " in cmdline(p)), None),
+        worker = until(
+            lambda: next(iter(children_in_role(serve.pid, "worker")), None),
             "a worker process",
         )
         os.kill(worker, signal.SIGSTOP)
-        _until(lambda: os.path.exists(f"{tmp_path}/fe.sock"), "the scheduler's socket")
+        until(lambda: os.path.exists(f"{tmp_path}/fe.sock"), "the scheduler's socket")
 
         async def scenario() -> list[int]:
-            async with AsyncClient(frontend, timeout=SAFETY_S) as client:
+            async with AsyncClient(frontend, timeout=SERVE_SAFETY_S) as client:
                 tasks = [
                     asyncio.ensure_future(
                         client.generate(prompt_token_ids=[1, 5 + i], max_tokens=40, ignore_eos=True)
@@ -71,7 +61,7 @@ def test_sigterm_while_the_worker_starts_drains_and_exits_0(model: Path, tmp_pat
                 return [len(r.token_ids) for r in await asyncio.gather(*tasks)]
 
         lengths = asyncio.run(scenario())
-        status = serve.wait(timeout=SAFETY_S)
+        status = serve.wait(timeout=SERVE_SAFETY_S)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -87,10 +77,10 @@ def _segment_exists(name: str) -> bool:
     return Path("/dev/shm", name.lstrip("/")).exists()
 
 
-def test_an_engine_dropped_without_close_releases_its_swap_segment(model: Path) -> None:
+def test_an_engine_dropped_without_close_releases_its_swap_segment(qwen2: Path) -> None:
     from expeditor.llm import LLM
 
-    llm = LLM(model, device="cpu", num_gpu_blocks=32, num_cpu_blocks=8)
+    llm = LLM(qwen2, device="cpu", num_gpu_blocks=32, num_cpu_blocks=8)
     assert llm.swap_pool is not None
     name = llm.swap_pool.name
     assert _segment_exists(name)
@@ -99,17 +89,17 @@ def test_an_engine_dropped_without_close_releases_its_swap_segment(model: Path) 
     assert not _segment_exists(name)
 
 
-def test_a_process_that_never_closes_its_engine_leaves_no_segment(model: Path) -> None:
+def test_a_process_that_never_closes_its_engine_leaves_no_segment(qwen2: Path) -> None:
     script = (
         "import sys; from expeditor.llm import LLM; "
         "llm = LLM(sys.argv[1], device='cpu', num_gpu_blocks=32, num_cpu_blocks=8); "
         "print(llm.swap_pool.name)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(model)],
+        [sys.executable, "-c", script, str(qwen2)],
         capture_output=True,
         text=True,
-        timeout=SAFETY_S,
+        timeout=SERVE_SAFETY_S,
         check=True,
     )
     name = done.stdout.strip().splitlines()[-1]

@@ -11,15 +11,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import zmq
-from support.hf_reference import hf_greedy
+from support.blocking import until_async
+from support.hf_reference import Oracle
+from support.limits import SERVE_SAFETY_S
+from support.serve import children_in_role, generate_all
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient, Client
 from ipc.errors import (
     BadRequestError,
@@ -41,20 +41,11 @@ from ipc.schema import (
     encode,
     server_decoder,
 )
-from scheduler_svc.launch import child_pids, cmdline, running_server
+from scheduler_svc.launch import running_server
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 
 MAX_TOKENS = 10
-SAFETY_S = 120.0
-"""How long a test waits for a condition before it fails: a safety net against a hang,
-never a measure of speed."""
-T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "llama", arch="llama")
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -72,19 +63,8 @@ PROMPTS = _prompts(32)
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path) -> list[list[int]]:
-    return hf_greedy(model, PROMPTS, MAX_TOKENS)
-
-
-async def _run_all(address: str) -> list[list[int]]:
-    async with AsyncClient(address, timeout=120) as client:
-        results = await asyncio.gather(
-            *(
-                client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                for p in PROMPTS
-            )
-        )
-    return [r.token_ids for r in results]
+def expected(model: Path, hf_oracle: Oracle) -> list[list[int]]:
+    return hf_oracle(model, PROMPTS, MAX_TOKENS)
 
 
 def _inspect(address: str) -> dict:
@@ -122,7 +102,7 @@ def test_32_concurrent_requests_match_transformers(
     if mode == "swap":
         flags += ["--num-cpu-blocks", "256"]
     with running_server(model, *flags) as (address, _):
-        outputs = asyncio.run(_run_all(address))
+        outputs = asyncio.run(generate_all(address, PROMPTS, MAX_TOKENS, timeout=120))
         state = _inspect(address)
     for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"prompt {index} ({mode})"
@@ -303,7 +283,7 @@ def test_a_client_that_disappears_has_its_requests_aborted(server) -> None:
     )
     assert raw.poll(10_000)
     raw.close(linger=0)  # gone, no pings
-    deadline = time.monotonic() + SAFETY_S
+    deadline = time.monotonic() + SERVE_SAFETY_S
     while time.monotonic() < deadline:
         state = _inspect(address)
         if not any(s["request_id"] == "orphan" for s in state["scheduler"]["seqs"]):
@@ -315,20 +295,9 @@ def test_a_client_that_disappears_has_its_requests_aborted(server) -> None:
 
 
 def _worker_pids(proc: subprocess.Popen[bytes]) -> list[int]:
-    workers = [p for p in child_pids(proc.pid) if " worker " in cmdline(p)]
+    workers = children_in_role(proc.pid, "worker")
     assert workers, "no worker process found"
     return workers
-
-
-async def _until(probe: Callable[[], Awaitable[T | None]], what: str) -> T:
-    """Call ``probe`` until it returns something (not None); fail after SAFETY_S."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SAFETY_S
-    while (found := await probe()) is None:
-        if loop.time() > deadline:
-            pytest.fail(f"{what}: not within {SAFETY_S:g} s")
-        await asyncio.sleep(0.01)
-    return found
 
 
 def _on_the_worker(snapshot: SchedulerSnapshot | None) -> dict[str, SeqInfo]:
@@ -372,7 +341,9 @@ async def _kill_a_worker_running_requests(
             frozen = None
             return None
 
-        pid, running = await _until(freeze_one_running_requests, "requests running on a worker")
+        pid, running = await until_async(
+            freeze_one_running_requests, "requests running on a worker"
+        )
         os.kill(pid, signal.SIGKILL)
 
         async def requeued() -> InspectReply | None:
@@ -381,7 +352,7 @@ async def _kill_a_worker_running_requests(
             assert reply.snapshot is not None
             return reply if lost and reply.snapshot.num_running == 0 else None
 
-        reply = await _until(requeued, f"the scheduler seeing worker {pid} gone")
+        reply = await until_async(requeued, f"the scheduler seeing worker {pid} gone")
         assert reply.snapshot is not None
         health = await client.health()
         assert health.status is HealthState.DEGRADED, health
@@ -473,12 +444,36 @@ def test_without_restarts_in_flight_requests_fail_explicitly(model: Path) -> Non
                     snapshot = (await client.inspect()).snapshot
                     return True if snapshot is not None and snapshot.num_running == 4 else None
 
-                await _until(all_running, "the four requests running")
+                await until_async(all_running, "the four requests running")
                 os.kill(_worker_pids(proc)[0], signal.SIGKILL)
                 return await asyncio.gather(*tasks, return_exceptions=True)
 
         results = asyncio.run(scenario())
     assert all(isinstance(r, WorkerLostError) for r in results), results
+
+
+def _scheduler(
+    model: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``expeditor scheduler`` alone, on sockets in ``tmp_path`` (frontend ``fe.sock``,
+    workers ``w.sock``); its stderr piped."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expeditor",
+            "scheduler",
+            "--model",
+            str(model),
+            "--frontend",
+            f"ipc://{tmp_path}/fe.sock",
+            "--worker-endpoint",
+            f"ipc://{tmp_path}/w.sock",
+            *flags,
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
@@ -496,22 +491,7 @@ def test_scheduler_daemon_speaks_sd_notify(model: Path, tmp_path: Path) -> None:
         PYTHONUNBUFFERED="1",
     )
     env.pop("WATCHDOG_PID", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "expeditor",
-            "scheduler",
-            "--model",
-            str(model),
-            "--frontend",
-            f"ipc://{tmp_path}/fe.sock",
-            "--worker-endpoint",
-            f"ipc://{tmp_path}/w.sock",
-        ],
-        env=env,
-        stderr=subprocess.PIPE,
-    )
+    proc = _scheduler(model, tmp_path, env=env)
     try:
         seen: list[str] = []
         deadline = time.monotonic() + 30
@@ -717,7 +697,7 @@ sock.send(encode(WorkerJoin(
 setup = control_decoder.decode(sock.recv())
 sock.send(encode(WorkerHello(
     rank=0, pid=os.getpid(), device="cpu", num_gpu_blocks=64, kv_bytes_per_block=1024,
-    block_size=setup.block_size, model=sys.argv[2], eos_token_ids=[2],
+    block_size=setup.settings.scheduler.block_size, model=sys.argv[2], eos_token_ids=[2],
 )))
 while True:  # heartbeats forever, never answers a plan: a stuck kernel
     sock.send(encode(Heartbeat(rank=0)))
@@ -728,29 +708,11 @@ while True:  # heartbeats forever, never answers a plan: a stuck kernel
 
 def test_a_worker_hung_inside_a_step_is_killed(model: Path, tmp_path: Path) -> None:
     workers = f"ipc://{tmp_path}/w.sock"
-    scheduler = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "expeditor",
-            "scheduler",
-            "--model",
-            str(model),
-            "--frontend",
-            f"ipc://{tmp_path}/fe.sock",
-            "--worker-endpoint",
-            workers,
-            "--step-timeout-s",
-            "2",
-            "--worker-wait-s",
-            "2",
-        ],
-        stderr=subprocess.PIPE,
-    )
+    scheduler = _scheduler(model, tmp_path, "--step-timeout-s", "2", "--worker-wait-s", "2")
     hung = subprocess.Popen([sys.executable, "-c", HUNG_WORKER, workers, str(model)])
     try:
-        with Client(f"ipc://{tmp_path}/fe.sock", timeout=SAFETY_S) as client:
-            deadline = time.monotonic() + SAFETY_S
+        with Client(f"ipc://{tmp_path}/fe.sock", timeout=SERVE_SAFETY_S) as client:
+            deadline = time.monotonic() + SERVE_SAFETY_S
             while client.health().status != "ok":
                 assert time.monotonic() < deadline, "the hung worker never became ready"
                 time.sleep(0.1)
@@ -758,7 +720,7 @@ def test_a_worker_hung_inside_a_step_is_killed(model: Path, tmp_path: Path) -> N
             # the client's, ends the request.
             with pytest.raises(WorkerLostError):
                 client.generate("stuck", max_tokens=4)
-            assert hung.wait(timeout=SAFETY_S) == -signal.SIGKILL
+            assert hung.wait(timeout=SERVE_SAFETY_S) == -signal.SIGKILL
             assert client.health().status == "degraded"
     finally:
         for proc in (hung, scheduler):

@@ -18,8 +18,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.limits import SERVE_SAFETY_S
+from support.serve import children_in_role, rss_mb
 
-from gpu_worker.tiny_model import VOCAB_SIZE, make_tiny_model
+from gpu_worker.tiny_model import VOCAB_SIZE
 from ipc.client import AsyncClient, Client
 from ipc.errors import (
     BadRequestError,
@@ -29,16 +31,7 @@ from ipc.errors import (
     UnknownRequestError,
 )
 from ipc.schema import ErrorReply, client_decoder, server_decoder
-from scheduler_svc.launch import child_pids, cmdline, running_server
-
-SAFETY_S = 120.0
-"""How long a test waits for a condition before it fails: a safety net against a hang,
-never a measure of speed."""
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("hardening") / "llama", arch="llama")
+from scheduler_svc.launch import running_server
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +53,9 @@ def server(model: Path):
 
 
 def _pid_of(proc: subprocess.Popen[bytes], role: str) -> int:
-    pids = [p for p in child_pids(proc.pid) if f" {role} " in cmdline(p)]
+    pids = children_in_role(proc.pid, role)
     assert pids, f"no {role} process"
     return pids[0]
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 class _Raw:
@@ -240,7 +226,7 @@ def test_a_long_prompt_is_served_beside_others_and_memory_returns(server) -> Non
     address, proc = server
     scheduler = _pid_of(proc, "scheduler")
     _serving(address)
-    baseline = _rss_mb(scheduler)
+    baseline = rss_mb(scheduler)
 
     async def scenario() -> None:
         async with AsyncClient(address, timeout=120) as big, AsyncClient(address) as small:
@@ -257,7 +243,7 @@ def test_a_long_prompt_is_served_beside_others_and_memory_returns(server) -> Non
             await asyncio.gather(send_big(), send_small())
 
     asyncio.run(scenario())
-    assert _rss_mb(scheduler) < baseline + 100
+    assert rss_mb(scheduler) < baseline + 100
 
 
 # -- 9. aborts ----------------------------------------------------------------------------
@@ -432,7 +418,7 @@ def test_quarantine_after_two_failed_steps(model: Path, fault: signal.Signals) -
         async def running(client: AsyncClient, request_id: str, *, not_on: int = 0) -> int:
             """Wait until ``request_id`` runs, with K/V on a ready worker other than pid
             ``not_on`` (a worker already killed); that worker's pid."""
-            deadline = time.monotonic() + SAFETY_S
+            deadline = time.monotonic() + SERVE_SAFETY_S
             while True:
                 reply = await client.inspect()
                 assert reply.snapshot is not None
@@ -450,7 +436,7 @@ def test_quarantine_after_two_failed_steps(model: Path, fault: signal.Signals) -
 
         async def lost(client: AsyncClient, pid: int) -> None:
             """Wait until the scheduler has seen worker ``pid`` gone."""
-            deadline = time.monotonic() + SAFETY_S
+            deadline = time.monotonic() + SERVE_SAFETY_S
             while not any(
                 w.pid == pid and w.state == "lost" for w in (await client.inspect()).workers
             ):
@@ -502,7 +488,7 @@ def test_serve_under_ctrl_c_drains_too(model: Path) -> None:
                 task = asyncio.ensure_future(
                     client.generate(prompt_token_ids=[1, 9], max_tokens=60, ignore_eos=True)
                 )
-                deadline = time.monotonic() + SAFETY_S
+                deadline = time.monotonic() + SERVE_SAFETY_S
                 while not (await client.inspect()).snapshot.num_running:  # type: ignore[union-attr]
                     assert time.monotonic() < deadline, "the request never ran"
                     await asyncio.sleep(0.02)

@@ -8,15 +8,15 @@ prefix-cache hits, swap and recompute preemption, and n>1 forks with copy-on-wri
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from support.hf_reference import PROMPTS, hf_greedy
+from support.hf_reference import PROMPTS, Oracle
 
 from expeditor.llm import LLM
-from gpu_worker.tiny_model import ARCHS, make_tiny_model
+from gpu_worker.tiny_model import ARCHS
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.introspection import check_invariants
 from shared.sampling import SamplingParams
@@ -48,14 +48,14 @@ SCENARIOS: dict[str, dict[str, object]] = {
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", arch=request.param)
+def checkpoint(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]) -> Path:
+    return tiny_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint: Path) -> dict[int, list[int]]:
+def expected(checkpoint: Path, hf_oracle: Oracle) -> dict[int, list[int]]:
     """transformers' greedy output for each prompt, run alone."""
-    return dict(enumerate(hf_greedy(checkpoint, PROMPTS, MAX_TOKENS, DEVICE)))
+    return dict(enumerate(hf_oracle(checkpoint, PROMPTS, MAX_TOKENS, DEVICE)))
 
 
 class PlanLog:

@@ -9,24 +9,19 @@ import signal
 from pathlib import Path
 
 import pytest
+from support.serve import children_in_role
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient
 from ipc.errors import ServerUnavailableError
-from scheduler_svc.launch import child_pids, cmdline, running_server
+from scheduler_svc.launch import running_server
 
 SERVER_TIMEOUT_S = 2.0
 GUARD_S = 30.0
 """What the test waits at most: a client that never notices fails it instead of hanging."""
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("liveness") / "llama", arch="llama")
-
-
 def _kill_scheduler(serve_pid: int) -> None:
-    schedulers = [pid for pid in child_pids(serve_pid) if " scheduler " in cmdline(pid)]
+    schedulers = children_in_role(serve_pid, "scheduler")
     assert len(schedulers) == 1, f"scheduler processes under serve: {schedulers}"
     os.kill(schedulers[0], signal.SIGKILL)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
 from ipc.schema import WorkerStatus
 from scheduler_svc.launch import running_server
@@ -37,9 +36,8 @@ transformers.AutoModelForCausalLM.from_pretrained = classmethod(_slowed)
 
 
 def test_a_checkpoint_slower_to_load_than_the_worker_timeout_is_served(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_tiny_model(tmp_path / "llama", arch="llama")
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_LOAD)

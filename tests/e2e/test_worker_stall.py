@@ -6,8 +6,6 @@ their request's sampling parameters, not copies; the min-tokens mask is built on
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
 import signal
 import time
@@ -16,16 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.hf_reference import hf_greedy
+from support.hf_reference import Oracle
+from support.http import post_json
+from support.limits import SERVE_SAFETY_S
+from support.serve import children_in_role, running_http_serve
 
 from gpu_worker.sampler import Sampler
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import AsyncClient
 from ipc.plan_state import WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, InspectReply, NewSeq, WorkerStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.launch import child_pids, cmdline, free_port, running_serve
+from scheduler_svc.launch import running_serve
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.errors import InvalidRequestError
@@ -35,30 +35,21 @@ from shared.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, SamplingP
 MAX_TOKENS = 24
 WORKER_TIMEOUT_S = 2.0
 STALL_S = 20.0
-SAFETY_S = 120.0
-"""How long a test waits for a condition before it fails: a safety net, not a speed."""
 PROMPTS = [[1, *range(3 + i, 40 + 2 * i)] for i in range(12)]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("stall") / "llama", arch="llama")
-
-
-def _worker_pids(serve_pid: int) -> list[int]:
-    return [pid for pid in child_pids(serve_pid) if " worker " in cmdline(pid)]
-
-
-def test_a_stalled_worker_is_replaced_and_its_requests_complete(model: Path) -> None:
+def test_a_stalled_worker_is_replaced_and_its_requests_complete(
+    model: Path, hf_oracle: Oracle
+) -> None:
     """SIGSTOP freezes the worker, heartbeats included, for longer than worker_timeout_s
     while it runs requests: the scheduler gives up on it, kills it (it could never
     rejoin), serve starts a fresh one, and every request completes exactly."""
-    expected = hf_greedy(model, PROMPTS, MAX_TOKENS)
+    expected = hf_oracle(model, PROMPTS, MAX_TOKENS)
     flags = ("--num-gpu-blocks", "256", "--worker-timeout-s", str(WORKER_TIMEOUT_S))
     with running_serve(model, *flags) as (lines, proc):
 
         async def scenario() -> tuple[list[list[int]], int, InspectReply, float]:
-            async with AsyncClient(lines[0], timeout=SAFETY_S) as client:
+            async with AsyncClient(lines[0], timeout=SERVE_SAFETY_S) as client:
                 tasks = [
                     asyncio.ensure_future(
                         client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0)
@@ -67,7 +58,7 @@ def test_a_stalled_worker_is_replaced_and_its_requests_complete(model: Path) -> 
                 ]
                 while (await client.inspect()).snapshot.num_running == 0:  # type: ignore[union-attr]
                     await asyncio.sleep(0.01)
-                (stalled,) = _worker_pids(proc.pid)
+                (stalled,) = children_in_role(proc.pid, "worker")
                 os.kill(stalled, signal.SIGSTOP)
                 stopped_at = time.monotonic()
                 try:
@@ -91,24 +82,12 @@ def test_a_stalled_worker_is_replaced_and_its_requests_complete(model: Path) -> 
     assert any(w.pid == stalled and w.state is WorkerStatus.LOST for w in after.workers)
 
 
-def _post(url: str, path: str, body: object) -> tuple[int, dict]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=SAFETY_S)
-    try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
-
-
 def test_the_outage_request_gets_a_400_and_the_server_keeps_serving(model: Path) -> None:
     """The 1.8 MB request of the report (n=64, 200,000 stop token ids) is refused by
     name; the worker is never lost and the next request is served."""
-    port = free_port()
-    flags = ("--http", f"127.0.0.1:{port}", "--worker-timeout-s", str(WORKER_TIMEOUT_S))
-    with running_serve(model, *flags, lines=2) as (lines, proc):
-        workers = _worker_pids(proc.pid)
+    flags = ("--worker-timeout-s", str(WORKER_TIMEOUT_S))
+    with running_http_serve(model, *flags) as (_, url, proc):
+        workers = children_in_role(proc.pid, "worker")
         outage = {
             "prompt": [1, 17, 42],
             "n": 64,
@@ -116,17 +95,19 @@ def test_the_outage_request_gets_a_400_and_the_server_keeps_serving(model: Path)
             "min_tokens": 4,
             "stop_token_ids": list(range(200_000)),
         }
-        status, body = _post(lines[1], "/v1/completions", outage)
+        status, body = post_json(url, "/v1/completions", outage, timeout=SERVE_SAFETY_S)
         assert status == 400, body
         assert "stop_token_ids" in body["error"]["message"]
         assert str(MAX_STOP_TOKEN_IDS) in body["error"]["message"]
         allowed = dict(outage, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
-        status, body = _post(lines[1], "/v1/completions", allowed)
+        status, body = post_json(url, "/v1/completions", allowed, timeout=SERVE_SAFETY_S)
         assert status == 200, body
         assert len(body["choices"]) == 64
-        status, body = _post(lines[1], "/v1/completions", {"prompt": [1, 5], "max_tokens": 3})
+        status, body = post_json(
+            url, "/v1/completions", {"prompt": [1, 5], "max_tokens": 3}, timeout=SERVE_SAFETY_S
+        )
         assert status == 200, body
-        assert _worker_pids(proc.pid) == workers  # never lost, never restarted
+        assert children_in_role(proc.pid, "worker") == workers  # never lost, never restarted
 
 
 def test_request_sized_stop_lists_are_refused_by_name() -> None:

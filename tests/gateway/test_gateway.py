@@ -5,7 +5,6 @@ greedy outputs checked against transformers and the ZeroMQ path."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import signal
 import socket
@@ -14,18 +13,21 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import IO
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.hf_reference import hf_greedy
+from support.hf_reference import Oracle
+from support.http import get, local, post
 from support.idle import wait_idle
+from support.serve import running_http_serve
 from tokenizers import Tokenizer
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
-from scheduler_svc.launch import running_serve
+from scheduler_svc.launch import free_port
 
 MAX_TOKENS = 12
 PROMPTS = [
@@ -35,28 +37,20 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_post = partial(post, timeout=30)
+"""(status, headers, body bytes) of a raw HTTP POST."""
+_get = partial(get, timeout=30)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gateway") / "llama", arch="llama")
-
-
-@pytest.fixture(scope="module")
-def expected(model: Path) -> list[list[int]]:
-    return hf_greedy(model, PROMPTS, MAX_TOKENS)
+def expected(model: Path, hf_oracle: Oracle) -> list[list[int]]:
+    return hf_oracle(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def server(model: Path):
-    port = free_port()
-    flags = ("--http", f"127.0.0.1:{port}", "--num-gpu-blocks", "128", "--max-model-len", "256")
-    with running_serve(model, *flags, lines=2) as (lines, proc):
-        yield lines[0], lines[1], proc
+    with running_http_serve(model, "--num-gpu-blocks", "128", "--max-model-len", "256") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -67,28 +61,6 @@ def sync_client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model_name(sync_client: openai.OpenAI) -> str:
     return sync_client.models.list().data[0].id
-
-
-def _post(url: str, path: str, body: object, headers: dict[str, str] | None = None):
-    """(status, headers, body bytes) of a raw HTTP POST."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
-    reply = conn.getresponse()
-    payload = reply.read()
-    conn.close()
-    return reply.status, dict(reply.getheaders()), payload
-
-
-def _get(url: str, path: str) -> tuple[int, bytes]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", path)
-    reply = conn.getresponse()
-    payload = reply.read()
-    conn.close()
-    return reply.status, payload
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -549,14 +521,13 @@ def _guarded_serve(
 ) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
     key_file = key_dir / "api_key"
     key_file.write_text("s3cret\n")
-    port = free_port()
     flags = (
-        "--http", f"127.0.0.1:{port}", "--api-key-file", str(key_file),
+        "--api-key-file", str(key_file),
         "--max-body-bytes", "2048", "--max-num-seqs", "1", "--max-waiting-requests", "1",
         "--num-gpu-blocks", "64",
     )  # fmt: skip
-    with running_serve(model, *flags, lines=2) as (lines, proc):
-        yield lines[0], lines[1], proc
+    with running_http_serve(model, *flags) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -618,20 +589,28 @@ def test_a_full_queue_answers_429_overloaded(guarded) -> None:
     wait_idle(guarded[0])
 
 
+def _gateway(
+    frontend: str, *flags: str, stderr: IO[bytes] | int
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``expeditor gateway`` alone, in front of ``frontend``, on a free port: (the
+    process, its URL)."""
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "expeditor", "gateway", "--frontend", frontend, "--port",
+         str(port), *flags],
+        stdout=subprocess.DEVNULL, stderr=stderr,
+    )  # fmt: skip
+    return gateway, local(port)
+
+
 def test_a_gateway_stopped_alone_ends_open_streams_with_an_error_event(guarded, tmp_path) -> None:
     """SIGTERM to a gateway with a stream open: after its grace (shutdown_timeout_s) the
     stream ends with an error event and [DONE], the scheduler request is aborted, and the
     gateway exits 0 without a traceback."""
     frontend = guarded[0]  # its scheduler, through a second gateway of its own
-    port = free_port()
     log = tmp_path / "gateway.log"
     with log.open("wb") as err:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "expeditor", "gateway", "--frontend", frontend, "--port",
-             str(port), "--shutdown-timeout-s", "0.2"],
-            stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+        gateway, url = _gateway(frontend, "--shutdown-timeout-s", "0.2", stderr=err)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -698,13 +677,7 @@ def test_without_a_worker_health_and_requests_answer_503(tmp_path: Path) -> None
          "--worker-endpoint", f"ipc://{tmp_path}/w.sock"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "expeditor", "gateway", "--frontend", frontend, "--port",
-         str(port), "--scheduler-timeout-s", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    gateway, url = _gateway(frontend, "--scheduler-timeout-s", "2", stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -6,16 +6,17 @@ bounded. Units first, then end to end on a real ``expeditor serve --http``."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import itertools
 import json
-import os
 import socket
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
+from support.http import get, post_json
 from support.idle import wait_idle
+from support.serve import descendants_named, rss_mb, running_http_serve
 
 from expeditor.gateway.chat import RESERVED_NAMES, ChatTemplate, render_messages
 from expeditor.gateway.fanout import fan_out
@@ -23,9 +24,7 @@ from expeditor.gateway.limits import check_batch, check_response_size, response_
 from expeditor.gateway.protocol import GatewayRequestError
 from expeditor.gateway.responses import DONE
 from expeditor.gateway.stream_buffer import bounded_stream
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
-from scheduler_svc.launch import free_port, running_serve
 from shared.gateway_config import GatewayConfig
 
 # -- units ---------------------------------------------------------------------------------
@@ -192,63 +191,29 @@ STREAM_LIMIT = 65536
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
+def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("limits")
-    model = make_tiny_model(root / "llama", arch="llama")
     template = root / "llama2.jinja"
     template.write_text(LLAMA2_TEMPLATE)
     config = root / "expeditor.toml"
     config.write_text(f"[gateway]\nmax_stream_buffer_bytes = {STREAM_LIMIT}\n")
     flags = (
-        "--http", f"127.0.0.1:{free_port()}", "--config", str(config),
+        "--config", str(config),
         "--chat-template", str(template), "--num-gpu-blocks", "2048",
         "--max-model-len", "256", "--max-num-seqs", "256",
     )  # fmt: skip
-    with running_serve(model, *flags, lines=2) as (lines, proc):
-        yield lines[0], lines[1], proc
+    with running_http_serve(model, *flags) as served:
+        yield served
 
 
-def _post(url: str, path: str, body: object, timeout: float = 120) -> tuple[int, dict]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
-    reply = conn.getresponse()
-    payload = json.loads(reply.read())
-    conn.close()
-    return reply.status, payload
+_post = partial(post_json, timeout=120)
 
 
 def _gateway_pid(serve_pid: int) -> int:
     """The gateway process under ``serve`` (a descendant whose command names it)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    todo, found = [serve_pid], []
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, []):
-            todo.append(child)
-            try:
-                command = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"gateway" in command:
-                found.append(child)
+    found = descendants_named(serve_pid, b"gateway")
     assert len(found) == 1, found
     return found[0]
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_a_100k_prompt_batch_is_refused_naming_the_limit(served) -> None:
@@ -318,7 +283,7 @@ def test_chat_template_abuse_is_refused_and_others_keep_flowing(served) -> None:
 def test_a_stream_its_client_never_reads_is_aborted_and_memory_stays_bounded(served) -> None:
     frontend, url, proc = served
     gateway = _gateway_pid(proc.pid)
-    rss_before = _rss_mb(gateway)
+    rss_before = rss_mb(gateway)
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -340,11 +305,8 @@ def test_a_stream_its_client_never_reads_is_aborted_and_memory_stays_bounded(ser
             assert time.monotonic() < deadline
             time.sleep(0.02)
     wait_idle(frontend)
-    status, metrics = 0, ""
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", "/metrics")
-    reply = conn.getresponse()
-    status, metrics = reply.status, reply.read().decode()
+    status, payload = get(url, "/metrics", timeout=30)
+    metrics = payload.decode()
     assert status == 200
     generated = [
         float(line.split()[-1])
@@ -358,7 +320,7 @@ def test_a_stream_its_client_never_reads_is_aborted_and_memory_stays_bounded(ser
     ]
     assert aborted and float(aborted[0].split()[-1]) >= 1, aborted
     assert generated and generated[0] < 64 * 250
-    assert _rss_mb(gateway) < rss_before + 100
+    assert rss_mb(gateway) < rss_before + 100
     # A client that reads after all gets the error event and [DONE] (chunked).
     got = b""
     while not got.endswith(b"\r\n0\r\n\r\n"):
@@ -381,10 +343,10 @@ def test_memory_of_large_refused_requests_is_handed_back(served) -> None:
             *(asyncio.to_thread(_post, url, "/v1/chat/completions", body) for _ in range(20))
         )
 
-    before = _rss_mb(gateway)
+    before = rss_mb(gateway)
     replies = asyncio.run(flood())
     assert all(s == 400 and "max_messages" in r["error"]["message"] for s, r in replies)
     deadline = time.monotonic() + 30  # the trim runs on a thread once they are over
-    while _rss_mb(gateway) > before + 150:
-        assert time.monotonic() < deadline, (before, _rss_mb(gateway))
+    while rss_mb(gateway) > before + 150:
+        assert time.monotonic() < deadline, (before, rss_mb(gateway))
         time.sleep(0.2)

@@ -10,7 +10,6 @@ application gets a stub scheduler client."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import logging
 import resource
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from support.http import get, local, post_json
 from support.paths import REPO
 from tokenizers import Tokenizer
 
@@ -38,7 +38,6 @@ from expeditor.gateway.transport import (
     guarded_protocol,
     reserve_open_files,
 )
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.schema import MetricsReply
 from scheduler_svc.launch import free_port
 from shared.errors import ConfigError
@@ -124,12 +123,7 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 
 def _get(port: int, path: str = "/", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
-    conn.request("GET", path, headers=headers or {})
-    reply = conn.getresponse()
-    payload = reply.read()
-    conn.close()
-    return reply.status, payload
+    return get(local(port), path, headers, timeout=WAIT_S)
 
 
 def _error(reply: bytes) -> tuple[int, dict[str, Any]]:
@@ -383,8 +377,7 @@ class StubGateway(Gateway):
 
 
 @pytest.fixture(scope="module")
-def served_model(tmp_path_factory: pytest.TempPathFactory) -> ServedModel:
-    path = make_tiny_model(tmp_path_factory.mktemp("transport") / "llama", arch="llama")
+def served_model(model: Path) -> ServedModel:
     template = ChatTemplate(
         "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
@@ -392,8 +385,8 @@ def served_model(tmp_path_factory: pytest.TempPathFactory) -> ServedModel:
     )
     return ServedModel(
         name="tiny",
-        path=str(path),
-        tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+        path=str(model),
+        tokenizer=Tokenizer.from_file(str(model / "tokenizer.json")),
         chat_template=template,
         max_model_len=256,
     )
@@ -412,12 +405,7 @@ def gateway_app(model: ServedModel, **settings: Any) -> Iterator[tuple[int, Stub
 def _post(
     port: int, path: str, body: bytes, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
-    conn.request("POST", path, body, {"content-type": "application/json", **(headers or {})})
-    reply = conn.getresponse()
-    payload = json.loads(reply.read())
-    conn.close()
-    return reply.status, payload
+    return post_json(local(port), path, body, headers, timeout=WAIT_S)
 
 
 BIG = str(2**70)

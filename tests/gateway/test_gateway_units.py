@@ -18,16 +18,10 @@ from expeditor.gateway.protocol import (
     GatewayRequestError,
     decode_body,
 )
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.schema import HistogramData, MetricsReply, Usage
 from scheduler_svc.metrics import Histogram, RequestMetrics
 from shared.errors import ConfigError
 from shared.gateway_config import GatewayConfig, load_gateway_config, parse_http_address
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("units") / "llama", arch="llama")
 
 
 def _refused(body: bytes, kind: type = CompletionRequest) -> GatewayRequestError:

@@ -6,43 +6,25 @@ capped (429 naming ``max_queued_per_user``). Users are told apart by their addre
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from pathlib import Path
 
-import pytest
+from support.http import post_json
 from support.idle import wait_idle
+from support.limits import SERVE_SAFETY_S
+from support.serve import running_http_serve
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.client import Client
-from scheduler_svc.launch import free_port, running_serve
 
-SAFETY_S = 120.0
-"""How long a request may take before the test fails: a safety net, not a speed."""
 HEAVY_BATCHES = 4
 BATCH = 32
 CAP = 2 * HEAVY_BATCHES * BATCH
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("fair") / "llama", arch="llama")
-
-
-def _post(port: int, source: str, body: dict) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection(
-        "127.0.0.1", port, timeout=SAFETY_S, source_address=(source, 0)
-    )
-    try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
-        )
-        reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
-    finally:
-        conn.close()
+def _post(url: str, source: str, body: dict) -> tuple[int, dict]:
+    """A completion request sent from the address ``source`` (the user it stands for)."""
+    return post_json(url, "/v1/completions", body, timeout=SERVE_SAFETY_S, source=source)
 
 
 def _waiting(frontend: str) -> int:
@@ -53,16 +35,14 @@ def _waiting(frontend: str) -> int:
 
 
 def test_one_http_users_backlog_does_not_hold_up_another(model: Path) -> None:
-    port = free_port()
-    flags = ("--http", f"127.0.0.1:{port}", "--max-num-seqs", "4", "--num-gpu-blocks", "512")
+    flags = ("--max-num-seqs", "4", "--num-gpu-blocks", "512")
     flags += ("--max-queued-per-user", str(CAP))
-    with running_serve(model, *flags, lines=2) as (lines, _):
-        frontend = lines[0]
+    with running_http_serve(model, *flags) as (frontend, url, _):
         heavy_body = {"prompt": [[1, 7, 9]] * BATCH, "max_tokens": 48, "ignore_eos": True}
         heavy_replies: list[int] = []
         heavy = [
             threading.Thread(
-                target=lambda: heavy_replies.append(_post(port, "127.0.0.2", heavy_body)[0])
+                target=lambda: heavy_replies.append(_post(url, "127.0.0.2", heavy_body)[0])
             )
             for _ in range(HEAVY_BATCHES)
         ]
@@ -71,13 +51,13 @@ def test_one_http_users_backlog_does_not_hold_up_another(model: Path) -> None:
         with Client(frontend, timeout=30) as client:
             while (client.inspect().snapshot.num_waiting or 0) < HEAVY_BATCHES * BATCH - 8:  # type: ignore[union-attr]
                 time.sleep(0.01)
-        status, light = _post(port, "127.0.0.3", {"prompt": [1, 5], "max_tokens": 4})
+        status, light = _post(url, "127.0.0.3", {"prompt": [1, 5], "max_tokens": 4})
         still_waiting = _waiting(frontend)
         # Past the cap: the heavy user's next batch is refused as a whole, by name.
         over = {"prompt": [[1, 7]] * (CAP // 2 + 8), "max_tokens": 2}
-        refused, error = _post(port, "127.0.0.2", over)
+        refused, error = _post(url, "127.0.0.2", over)
         for thread in heavy:
-            thread.join(SAFETY_S)
+            thread.join(SERVE_SAFETY_S)
         wait_idle(frontend)
     assert status == 200 and light["choices"][0]["finish_reason"] == "length"
     # Served while most of the heavy user's backlog still waited (first come, first

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 import zmq.asyncio
-from support.blocking import SAFETY_S, in_thread
+from support.blocking import in_thread
+from support.limits import SAFETY_S
 
 from ipc.client import AsyncClient, Client, ClientCompletion
 from ipc.errors import (

@@ -15,7 +15,7 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from support.blocking import SAFETY_S
+from support.limits import SAFETY_S
 from support.frontend_bench import Bench, running_frontend
 
 from ipc.async_client import AsyncClient, RepliesLostError

@@ -7,18 +7,18 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from gpu_worker.tiny_model import make_tiny_model
 from ipc.schema import Delta, DeltaBatch, Finished
-from scheduler_svc.detokenizer import IncrementalDetokenizer, load_tokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
 from shared.sampling import SamplingParams
+from shared.tokenizer import load_tokenizer
 
 TEXT = "héllo wörld ✓ 日本語 🎉 end"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tok") / "m"))
+def tokenizer(model: Path) -> Tokenizer:
+    return load_tokenizer(model)
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:

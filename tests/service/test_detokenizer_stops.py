@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from gpu_worker.tiny_model import make_tiny_model
-from scheduler_svc.detokenizer import IncrementalDetokenizer, load_tokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from shared.tokenizer import load_tokenizer
 
 TEXT = "héllo wörld ✓ 日本語 🎉 end"
 PIECES = [
@@ -34,8 +34,8 @@ PIECES = [
 
 
 @pytest.fixture(scope="module")
-def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tok") / "m"))
+def byte_level(model: Path) -> Tokenizer:
+    return load_tokenizer(model)
 
 
 @pytest.fixture(scope="module")

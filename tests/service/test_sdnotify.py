@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from support.blocking import SAFETY_S, in_thread
+from support.blocking import in_thread
+from support.limits import SAFETY_S
 
 from scheduler_svc import sdnotify
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.tiny_model import make_tiny_model
 from scheduler_svc.launch import child_pids, running_server
 from shared.procinfo import process_start_time
 from shared.swap_pool import (
@@ -187,11 +186,6 @@ def test_a_zombie_group_leader_with_live_threads_is_alive() -> None:
 
 
 # --------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("hygiene") / "llama", arch="llama")
 
 
 def _read_line(stream: int, timeout_s: float) -> str:

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from starlette.requests import Request
-from support.blocking import SAFETY_S
+from support.limits import SAFETY_S
 from support.frontend_bench import Bench, running_frontend
 
 from expeditor.gateway.identity import check_priority, end_user

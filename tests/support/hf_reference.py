@@ -4,10 +4,15 @@ alone, for the tests that compare expeditor's outputs with it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+
+Oracle = Callable[..., list[list[int]]]
+"""The ``hf_oracle`` fixture's type: ``(checkpoint, prompts, max_new_tokens, device="cpu")``
+-> :func:`hf_greedy`'s outputs, computed once per session for each set of arguments."""
 
 
 def hf_greedy(

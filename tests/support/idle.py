@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 
 from ipc.client import Client
-
-IDLE_WITHIN_S = 30.0
-"""How long the scheduler may take to reap what it held: a safety net, not a speed."""
+from support.limits import SAFETY_S
 
 
 def wait_idle(frontend: str) -> None:
     """Until the scheduler holds no sequence; asserts every device block is free."""
     with Client(frontend, timeout=10) as client:
-        deadline = time.monotonic() + IDLE_WITHIN_S
+        deadline = time.monotonic() + SAFETY_S
         while True:
             snap = client.inspect().snapshot
             assert snap is not None

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from gpu_worker import threads
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import make_tiny_model
+from shared.worker_settings import WorkerSettings
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    model = make_tiny_model(tmp_path_factory.mktemp("threads") / "m", arch="llama")
-    return ModelRunner(
-        str(model),
-        device=torch.device("cpu"),
-        block_size=16,
-        max_num_batched_tokens=256,
-        num_gpu_blocks=64,
+def runner(model: Path) -> ModelRunner:
+    settings = WorkerSettings.of(
+        model=str(model), block_size=16, max_num_batched_tokens=256, num_gpu_blocks=64
     )
+    return ModelRunner(settings, device=torch.device("cpu"))
 
 
 def test_decode_inputs_fit_the_cache(runner: ModelRunner) -> None:

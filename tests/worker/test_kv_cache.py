@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,20 +134,21 @@ def test_segment_lifecycle() -> None:
         SwapPoolSegment.create(4, 0)
 
 
-def test_a_step_that_only_swaps_in_fences_its_copies(tmp_path) -> None:
+def test_a_step_that_only_swaps_in_fences_its_copies(model: Path) -> None:
     """A step that samples nothing returns without waiting for the device: its swap-ins
     must be fenced first, or the scheduler reuses pool blocks still being read (CUDA).
     Counted on CPU, where the fence itself is a no-op."""
     import torch
 
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.tiny_model import make_tiny_model
     from ipc.schema import BatchPlan
     from shared.swap_pool import SwapPoolSegment
+    from shared.worker_settings import WorkerSettings
 
-    path = make_tiny_model(tmp_path / "m")
-    runner = ModelRunner(path, device=torch.device("cpu"), block_size=16,
-                         max_num_batched_tokens=64, num_gpu_blocks=8)  # fmt: skip
+    settings = WorkerSettings.of(
+        model=str(model), block_size=16, max_num_batched_tokens=64, num_gpu_blocks=8
+    )
+    runner = ModelRunner(settings, device=torch.device("cpu"))
     fences: list[int] = []
     runner.kv_cache.fence = lambda: fences.append(1)  # type: ignore[method-assign]
     with SwapPoolSegment.create(4, runner.layout.bytes_per_block) as pool:

@@ -15,7 +15,7 @@ from gpu_worker.kv_cache import SWAP_STAGING_BYTES, KVLayout, swap_staging_block
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler
-from gpu_worker.tiny_model import make_tiny_model
+from shared.worker_settings import WorkerSettings
 
 GIB = 2**30
 
@@ -68,15 +68,13 @@ def fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def test_the_profile_covers_the_sampler_and_the_staging(
-    tmp_path: Path, fake_cuda_memory: dict[str, Any]
+    model: Path, fake_cuda_memory: dict[str, Any]
 ) -> None:
-    checkpoint = make_tiny_model(tmp_path / "llama", arch="llama")
     runner = ModelRunner(
-        checkpoint,
+        WorkerSettings.of(
+            model=str(model), block_size=16, max_num_batched_tokens=64, num_gpu_blocks=8
+        ),
         device=torch.device("cpu"),
-        block_size=16,
-        max_num_batched_tokens=64,
-        num_gpu_blocks=8,
         dtype=torch.float32,
     )
     blocks = runner._profile_num_blocks(64, max_num_seqs=48, utilization=0.5)
