@@ -31,8 +31,9 @@ from gpu_worker.tiny_model import default_model_dir
 from ipc.schema import Finished, ServerMessage
 from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.outputs import ClientRequest, OutputProcessor
-from scheduler_svc.step_engine import InlineExecutor, StepEngine, StepRecord
+from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
 from shared.outputs import Completion
@@ -178,14 +179,14 @@ class LLM:
         """Requests to run, or steps planned ahead whose results are not applied yet."""
         return self.engine.has_work()
 
-    def step(self) -> StepRecord:
+    def step(self) -> StepOutput:
         """One step (:class:`StepEngine`), its outputs processed as the daemon does:
         detokenized, stop strings applied, finished requests collected."""
-        record = self.engine.step()
+        output = self.engine.step()
         started = time.perf_counter()
-        self.outputs.on_step(record.events)
+        self.outputs.on_step(output)
         self.engine.times.add_outputs(time.perf_counter() - started)
-        return record
+        return output
 
     def _collect(self, client: bytes, message: ServerMessage) -> None:
         if isinstance(message, Finished):

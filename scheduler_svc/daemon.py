@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import msgspec
@@ -28,14 +29,15 @@ import zmq
 import zmq.asyncio
 
 from ipc.curve import CurveServer, endpoint_needs_curve
-from ipc.schema import AttachSwapPool, ErrorCode, WorkerHello, WorkerSetup
+from ipc.schema import AttachSwapPool, ErrorCode, StepResult, WorkerHello, WorkerSetup
 from scheduler_svc import sdnotify
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.detokenizer import load_tokenizer
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.launch import free_port
-from scheduler_svc.outputs import RequestEnded, StepEvents
+from scheduler_svc.outputs import RequestEnded
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.step_engine import StepEngine
 from scheduler_svc.step_times import StepTimer
@@ -109,8 +111,8 @@ class SchedulerDaemon:
         self.engine: StepEngine | None = None
         """The core and the workers, once the first worker said hello."""
         self.swap_pool: SwapPoolSegment | None = None
-        self.events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
-        """What the output task sends: each step's events, requests ended outside a step."""
+        self.events: asyncio.Queue[StepOutput | RequestEnded] = asyncio.Queue()
+        """What the output task sends: each step's output, requests ended outside a step."""
         self.wake = asyncio.Event()
         self.step_times = StepTimer()
         self.frontend = Frontend(
@@ -290,6 +292,9 @@ class SchedulerDaemon:
         if self.engine is not None:
             self._quarantine(self.engine.on_worker_lost())
 
+    def steps_in_flight(self) -> list[Future[StepResult]]:
+        return self.engine.futures() if self.engine is not None else []
+
     def _create_core(self, hello: WorkerHello) -> None:
         max_len = _model_max_len(hello.model) or self.config.max_model_len
         config = msgspec.structs.replace(
@@ -316,7 +321,7 @@ class SchedulerDaemon:
             engine = self.engine
             # Steps in flight are always collected (a lost one re-queues its requests).
             if engine is None or not (
-                engine.pending or (self.executor.serving() and engine.has_work())
+                engine.core.inflight or (self.executor.serving() and engine.has_work())
             ):
                 self.wake.clear()
                 try:
@@ -324,11 +329,11 @@ class SchedulerDaemon:
                 except TimeoutError:
                     pass
                 continue
-            record = await engine.step_async()
-            if record.result is None:  # lost: re-queued, unless quarantined
-                self._quarantine(record.quarantined)
+            output = await engine.step_async()
+            if output.lost:  # re-queued, unless quarantined
+                self._quarantine(output.quarantined)
             else:
-                self.events.put_nowait(record.events)
+                self.events.put_nowait(output)
 
     def _quarantine(self, requests: list[Request]) -> None:
         """Requests in two steps that workers died in: failed, never re-queued."""
@@ -348,7 +353,7 @@ class SchedulerDaemon:
         outputs, times = self.frontend.outputs, self.step_times
         while True:
             item = await self.events.get()
-            if isinstance(item, StepEvents):
+            if isinstance(item, StepOutput):
                 started = time.perf_counter()
                 outputs.on_step(item)
                 times.add_outputs(time.perf_counter() - started)

@@ -54,7 +54,8 @@ from ipc.schema import (
 )
 from scheduler_svc.core.introspection import snapshot
 from scheduler_svc.core.request import RejectedError
-from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded, StepEvents
+from scheduler_svc.core.step_records import StepOutput
+from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded
 from scheduler_svc.reply_outbox import ReplyOutbox
 from shared.memory import malloc_trim
 
@@ -107,7 +108,7 @@ class Frontend:
         server: ServerConfig,
         config: SchedulerConfig,
         registry: WorkerRegistry,
-        events: asyncio.Queue[StepEvents | RequestEnded],
+        events: asyncio.Queue[StepOutput | RequestEnded],
         wake: asyncio.Event,
         finish_seq: Callable[[str], str | None],
         *,

@@ -1,8 +1,10 @@
 """Turning scheduler progress into client events: detokenize, stop strings, Finished.
 
-The step loop only records what changed (:class:`StepEvents`, cheap); the
-:class:`OutputProcessor` turns that into Delta / Finished / ErrorReply messages in
-its own task, while the worker computes the next step.
+The step loop hands on what each step produced
+(:class:`~scheduler_svc.core.step_records.StepOutput`, ``Scheduler.update``'s return
+value: plain ids and tokens); the :class:`OutputProcessor` turns that into Delta /
+Finished / ErrorReply messages, in the daemon in its own task while the workers compute
+the next step, in ``LLM`` inline.
 """
 
 from __future__ import annotations
@@ -24,33 +26,11 @@ from ipc.schema import (
     Timings,
     Usage,
 )
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.metrics import RequestMetrics
 from shared.outputs import Completion, CompletionSample, FinishReason
 from shared.sampling import SamplingParams
-
-
-@dataclass(slots=True)
-class StepEvents:
-    """What one update changed, captured in the step loop."""
-
-    tokens: list[tuple[str, int, str, int]] = field(default_factory=list)
-    """(request id, sample index, sequence id, new token)."""
-    finished_seqs: list[tuple[str, int, FinishReason]] = field(default_factory=list)
-    """(request id, sample index, finish reason)."""
-    finished_requests: list[str] = field(default_factory=list)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Sequence id -> logprobs of its new token (UpdateOutcome.logprobs)."""
-    scheduled_requests: list[tuple[str, int]] = field(default_factory=list)
-    """(request id, prefix-cache hit tokens) of the requests whose first sample was
-    (re)sent to the workers in full this step; the first time counts."""
-    num_scheduled_tokens: int = 0
-    """Tokens the step computed (prefill and decode)."""
-    planned_at: float = 0.0
-    """When the step was planned (its new requests' queue time ends there); 0 = unknown,
-    take ``time``."""
-    time: float = 0.0
-
 
 RECENTLY_FINISHED = 16_384
 """Finished request ids remembered (with their owner), so a late Abort is answered
@@ -141,32 +121,38 @@ class OutputProcessor:
             )
         return detok
 
-    def handle(self, item: StepEvents | RequestEnded) -> None:
-        if isinstance(item, StepEvents):
+    def handle(self, item: StepOutput | RequestEnded) -> None:
+        if isinstance(item, StepOutput):
             self.on_step(item)
         elif item.code is not None:
             self.fail(item.request_id, item.code, item.message)
         else:
             self.finish(item.request_id)
 
-    def on_step(self, events: StepEvents) -> None:
-        now = events.time
+    def on_step(self, output: StepOutput) -> None:
+        if output.lost:
+            return  # nothing of it reached the clients: its requests were re-queued
+        now = output.time
         metrics = self.metrics
-        for request_id, cached in events.scheduled_requests:
-            req = self.requests.get(request_id)
+        plan = output.plan
+        for new in plan.new_seqs:
+            # A request's first sample (re)sent in full: its first time counts.
+            if new.sample_index:
+                continue
+            req = self.requests.get(new.request_id)
             if req is not None and req.first_scheduled is None:
-                req.first_scheduled = events.planned_at or now
-                req.cached_tokens = cached
+                req.first_scheduled = output.planned_at or now
+                req.cached_tokens = new.num_computed_tokens  # its prefix-cache hit
                 metrics.on_scheduled(len(req.prompt_token_ids))
         generated = 0
         itl = metrics.itl
-        ended = {(rid, index): reason for rid, index, reason in events.finished_seqs}
+        ended = {(rid, index): reason for rid, index, reason in output.finished_seqs}
         stopped: list[str] = []
         outbox: dict[bytes, list[Delta]] = {}
         # Decode every sample's window in one batch, then advance each detokenizer.
         pending: list[tuple[ClientRequest, int, str, int, IncrementalDetokenizer, Logprobs]] = []
         windows: list[list[int]] = []
-        for request_id, index, seq_id, token in events.tokens:
+        for request_id, index, seq_id, token in output.tokens:
             req = self.requests.get(request_id)
             if req is None:
                 continue
@@ -179,13 +165,13 @@ class OutputProcessor:
             elif req.last_token != now:  # once per request and step (n > 1: per sample)
                 itl.observe(now - req.last_token)  # type: ignore[operator]  # set with first
             req.last_token = now
-            entry = events.logprobs.get(seq_id)
+            entry = output.logprobs.get(seq_id)
             if entry is not None:
                 req.logprobs.setdefault(index, []).append(entry)
             if (window := detok.push(token)) is not None:  # None: decoded at the end
                 pending.append((req, index, seq_id, token, detok, entry))
                 windows.extend(window)
-        metrics.on_step(events.num_scheduled_tokens, generated)
+        metrics.on_step(plan.total_tokens, generated)
         decoded: list[str] = []
         if windows:
             assert self.tokenizer is not None
@@ -214,14 +200,14 @@ class OutputProcessor:
                 )
         for client, deltas in outbox.items():
             self.send(client, deltas[0] if len(deltas) == 1 else DeltaBatch(deltas=deltas))
-        for request_id, index, reason in events.finished_seqs:
+        for request_id, index, reason in output.finished_seqs:
             req = self.requests.get(request_id)
             if req is not None:
                 req.reasons.setdefault(index, reason)
         for seq_id in stopped:  # after their last Delta went out
             if (request_id := self.finish_seq(seq_id)) is not None:
                 self.finish(request_id)
-        for request_id in events.finished_requests:
+        for request_id in output.finished_requests:
             self.finish(request_id)
 
     def finish(self, request_id: str, reason_for_rest: FinishReason = FinishReason.ABORT) -> None:

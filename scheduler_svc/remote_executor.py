@@ -7,11 +7,16 @@ plan to every ready rank and the collection of their results (rank 0's samples a
 used), and losses: a worker that says it failed, goes silent, dies (seen by its pid
 when it runs in this pid namespace), or owes a step for ``step_timeout_s`` (hung) is
 dropped, told to leave and, when it runs in this pid namespace, killed, so that its
-supervisor or systemd replaces it. Several plans may be in flight (overlapped scheduling): a worker
-runs them in order, so a step's timeout counts from when the step before it ended. A
-loss during a step fails the futures of every step in flight with
-:class:`~scheduler_svc.step_engine.StepLostError`; a loss between steps is reported to
-the host, which re-queues.
+supervisor or systemd replaces it.
+
+Several plans may be in flight (overlapped scheduling): a worker runs them in order, so
+a step's timeout counts from when the step before it ended. The executor keeps no list
+of them: the future it returns for a plan (a :class:`_SentStep`) carries the ranks that
+still owe its result, the results in so far and its timer, and the steps in flight are
+asked of the host (``steps_in_flight``: the step engine's, whose core owns the one
+queue). A loss during a step fails the futures of the steps still owed with
+:class:`~scheduler_svc.step_engine.StepLostError`, and the engine then clears the queue;
+a loss while nothing is owed is reported to the host, which has the engine clear it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,7 @@ import logging
 import os
 import signal
 import time
-from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -61,17 +64,25 @@ class WorkerHost(Protocol):
         ...
 
     def worker_lost_idle(self) -> None:
-        """A worker was lost while no step was in flight."""
+        """A worker was lost while no step was owed."""
+        ...
+
+    def steps_in_flight(self) -> list[Future[StepResult]]:
+        """The futures of the steps in flight, oldest first (``StepEngine.futures``)."""
         ...
 
 
-@dataclass(slots=True)
-class _Inflight:
-    step: int
-    pending: set[bytes]
-    future: Future[StepResult]
-    results: dict[int, StepResult] = field(default_factory=dict)
-    timer: asyncio.TimerHandle | None = None
+class _SentStep(Future[StepResult]):
+    """A plan sent to the ranks, as the future of its result."""
+
+    def __init__(self, step: int, pending: set[bytes]) -> None:
+        super().__init__()
+        self.step = step
+        self.pending = pending
+        """The ranks (identities) that still owe the result."""
+        self.results: dict[int, StepResult] = {}
+        """Rank -> its result, so far."""
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class RemoteExecutor:
@@ -91,8 +102,6 @@ class RemoteExecutor:
         self.host = host
         self.step_timeout_s = step_timeout_s
         self.group = group
-        self.inflight: deque[_Inflight] = deque()
-        """Steps sent and not answered by every rank, oldest first."""
 
     # -- the executor ----------------------------------------------------------------------
 
@@ -102,19 +111,27 @@ class RemoteExecutor:
 
     def submit(self, plan: BatchPlan) -> Future[StepResult]:
         """Send ``plan`` to every ready rank (call on the daemon's loop)."""
-        future: Future[StepResult] = Future()
         ready = self.registry.ready()
         if not ready:
+            future: Future[StepResult] = Future()
             future.set_exception(StepLostError("no worker is ready"))
             return future
-        inflight = _Inflight(plan.step, {w.identity for w in ready}, future)
-        self.inflight.append(inflight)
-        if len(self.inflight) == 1:
-            self._arm(inflight)
+        sent = _SentStep(plan.step, {w.identity for w in ready})
+        if not self._owed():
+            self._arm(sent)  # nothing ahead of it: it runs now
         payload = encode(plan)
         for handle in ready:
             self._send_raw(handle.identity, payload)
-        return future
+        return sent
+
+    def _owed(self) -> list[_SentStep]:
+        """The steps in flight whose results are not all in, oldest first (a plan being
+        submitted is not among them yet)."""
+        return [
+            step
+            for step in self.host.steps_in_flight()
+            if isinstance(step, _SentStep) and not step.done()
+        ]
 
     def send(self, handle: WorkerHandle, message: msgspec.Struct) -> None:
         self._send_raw(handle.identity, encode(message))  # type: ignore[arg-type]
@@ -192,44 +209,45 @@ class RemoteExecutor:
         log.info("worker rank %d ready: %d KV blocks", hello.rank, hello.num_gpu_blocks)
 
     def _on_result(self, handle: WorkerHandle, result: StepResult) -> None:
-        inflight = next((i for i in self.inflight if i.step == result.step), None)
-        if inflight is None or handle.identity not in inflight.pending:
+        sent = next((step for step in self._owed() if step.step == result.step), None)
+        if sent is None or handle.identity not in sent.pending:
             return
-        inflight.pending.discard(handle.identity)
-        inflight.results[handle.rank] = result
-        if not inflight.pending:
-            # Ranks run steps in order: the step every rank answered is the oldest.
-            self._end(inflight)
-            inflight.future.set_result(inflight.results[min(inflight.results)])
-            if self.inflight:
-                self._arm(self.inflight[0])
+        sent.pending.discard(handle.identity)
+        sent.results[handle.rank] = result
+        if not sent.pending:
+            # Ranks run steps in order: the step every rank answered is the oldest, and
+            # the next one owed runs now.
+            self._end(sent)
+            sent.set_result(sent.results[min(sent.results)])
+            owed = self._owed()
+            if owed and owed[0].timer is None:
+                self._arm(owed[0])
 
     # -- losses ------------------------------------------------------------------------------
 
-    def _arm(self, inflight: _Inflight) -> None:
-        """Start the step's timeout: it is the oldest in flight, so running now."""
-        inflight.timer = asyncio.get_running_loop().call_later(
-            self.step_timeout_s, self._timed_out, inflight
+    def _arm(self, sent: _SentStep) -> None:
+        """Start the step's timeout: it is the oldest owed, so running now."""
+        sent.timer = asyncio.get_running_loop().call_later(
+            self.step_timeout_s, self._timed_out, sent
         )
 
-    def _end(self, inflight: _Inflight) -> None:
-        if inflight.timer is not None:
-            inflight.timer.cancel()
-        if inflight in self.inflight:
-            self.inflight.remove(inflight)
+    def _end(self, sent: _SentStep) -> None:
+        if sent.timer is not None:
+            sent.timer.cancel()
 
     def _fail_all(self, reason: str) -> None:
-        """Fail every step in flight (the device cache they build on is gone)."""
-        for inflight in list(self.inflight):
-            self._end(inflight)
-            inflight.future.set_exception(StepLostError(reason))
+        """Fail every step owed (the device cache they build on is gone)."""
+        for sent in self._owed():
+            self._end(sent)
+            sent.set_exception(StepLostError(reason))
 
-    def _timed_out(self, inflight: _Inflight) -> None:
+    def _timed_out(self, sent: _SentStep) -> None:
         """Workers that still owe a step after step_timeout_s are hung (a stuck kernel
         keeps heartbeats going): kill them, so serve or systemd starts fresh ones."""
-        if not self.inflight or self.inflight[0] is not inflight:
+        owed = self._owed()
+        if not owed or owed[0] is not sent:
             return
-        for identity in list(inflight.pending):
+        for identity in list(sent.pending):
             handle = self.registry.drop(identity)
             if handle is None:
                 continue
@@ -237,11 +255,11 @@ class RemoteExecutor:
                 "worker rank %d (pid %d) did not finish step %d in %g s: killing it",
                 handle.rank,
                 handle.pid,
-                inflight.step,
+                sent.step,
                 self.step_timeout_s,
             )
             self._send_off(handle)
-        self._fail_all(f"step {inflight.step} hung")
+        self._fail_all(f"step {sent.step} hung")
         self._take_down_group()
 
     def _lose(self, identity: bytes) -> None:
@@ -250,14 +268,14 @@ class RemoteExecutor:
             self._on_lost(handle)
 
     def _on_lost(self, handle: WorkerHandle) -> None:
-        """The device cache of a dropped worker is gone: fail the step in flight (its
-        driver then re-queues), or have the host re-queue now if idle. A worker given up
-        on while it may still live (silent, not dead) is sent off, so that its
+        """The device cache of a dropped worker is gone: fail the steps owed (their
+        driver then re-queues), or have the host re-queue now if none is. A worker given
+        up on while it may still live (silent, not dead) is sent off, so that its
         supervisor or systemd starts a fresh one: it could never rejoin as it is."""
         log.error("worker rank %d (pid %d) lost", handle.rank, handle.pid)
         self._send_off(handle)
         self._take_down_group()
-        if self.inflight:
+        if self._owed():
             self._fail_all(f"rank {handle.rank} lost")
         else:
             self.host.worker_lost_idle()

@@ -13,7 +13,8 @@ for fair share; absent = one anonymous client) are optional.
 The simulation is step-exact by default: each step's result is applied before the next
 plan (``overlap_scheduling`` off), so a step record shows one decision and its outcome.
 ``overlap=True`` plans ahead as the daemon does (the tests check that outputs stay the
-same); a record then describes the step whose result was just applied.
+same); a record then describes the step whose result was just applied (its plan, its
+planning's decisions and its output), while the queue sizes are those after it.
 """
 
 from __future__ import annotations
@@ -163,7 +164,6 @@ class Simulation:
         requests = {}
         step_times: list[float] = []
         generated = 0
-        preempted_ids: set[str] = set()
 
         while pending or self.engine.has_work():
             step = sched.step
@@ -188,24 +188,21 @@ class Simulation:
                 if sched.abort(request_id):
                     record_finished.append({"id": request_id, "reason": FinishReason.ABORT})
 
-            record = self.engine.step()  # raises AssertionError on a broken invariant
-            plan, outcome = record.plan, record.outcome
-            step_times.append(record.schedule_s + record.update_s)
+            output = self.engine.step()  # raises AssertionError on a broken invariant
+            plan = output.plan
+            step_times.append(output.schedule_s + output.update_s)
 
-            generated += len(outcome.advanced)
-            for request in outcome.finished_requests:
-                record_finished.append(
-                    {"id": request.request_id, "reason": str(request.finish_reason)}
-                )
-            report = sched.report
-            preempted_ids.update(seq_id for seq_id, _ in report.preempted)
+            generated += len(output.tokens)
+            for request_id in output.finished_requests:
+                reason = requests[request_id].finish_reason
+                record_finished.append({"id": request_id, "reason": str(reason)})
             if on_step is not None:
                 on_step(
                     {
                         "step": plan.step,
                         "scheduled": dict(plan.num_scheduled_tokens),
-                        "preempted": [{"id": s, "mode": m} for s, m in report.preempted],
-                        "swapped_in": list(report.swapped_in),
+                        "preempted": [{"id": s, "mode": m} for s, m in output.preempted],
+                        "swapped_in": list(output.swapped_in),
                         "finished": record_finished,
                         "rejected": record_rejected,
                         "free_gpu_blocks": sched.kv.pool.num_free,
@@ -213,7 +210,7 @@ class Simulation:
                         "num_running": len(sched.running),
                         "num_waiting": len(sched.waiting),
                         "num_swapped": len(sched.swapped),
-                        "prefix_hit_tokens": dict(report.prefix_hit_tokens),
+                        "prefix_hit_tokens": dict(output.prefix_hit_tokens),
                     }
                 )
 

@@ -15,7 +15,7 @@ from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.policies import FairShareRounds, QueueOrder
 from scheduler_svc.core.queues import SeqQueue
 from scheduler_svc.core.request import Request, Sequence
-from scheduler_svc.core.step_records import InflightStep, UpdateOutcome
+from scheduler_svc.core.step_records import InflightStep, StepOutput
 from shared.outputs import FinishReason
 
 QUARANTINE_AFTER_FAILED_STEPS = 2
@@ -58,7 +58,7 @@ class SequenceEnding:
         return True
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, outcome: UpdateOutcome | None = None
+        self, seq: Sequence, reason: FinishReason, output: StepOutput | None = None
     ) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
@@ -78,8 +78,8 @@ class SequenceEnding:
         # Samples not forked yet will never be: they end with their parent.
         unforked, seq.pending_forks = seq.pending_forks, 0
         request.num_unfinished -= 1 + unforked
-        if outcome is not None:
-            outcome.finished.append(seq)
+        if output is not None:
+            output.finished_seqs.append((request.request_id, seq.sample_index, reason))
         if request.num_unfinished == 0:
             request.finish_reason = reason
             del self.requests[request.request_id]
@@ -87,15 +87,16 @@ class SequenceEnding:
                 self.seq_ids_taken.remove(request.seq_id(index))
             self.fair_share.depart(self.order.priority_term(request), request.client)
             self.finished_counts[reason.value] += 1
-            if outcome is not None:
-                outcome.finished_requests.append(request)
+            if output is not None:
+                output.finished_requests.append(request.request_id)
 
     def on_worker_lost(self) -> list[Request]:
         """The device cache is gone: running sequences go back to recompute.
 
         Sequences swapped out before the step in flight keep their K/V in the CPU pool.
         Those whose swap-out rode on the lost step may never have been copied, so they
-        are recomputed too. Call between steps; a step in flight is discarded.
+        are recomputed too. Every step in flight is discarded (with whatever the driver
+        keeps on it): this is the one place that clears them.
 
         A worker that dies inside a step may have been killed by what the step held:
         each request in it counts one failed step, and one at
@@ -103,11 +104,12 @@ class SequenceEnding:
         it cannot crash worker after worker. Returns those requests; the caller tells
         their clients why.
         """
-        inflight, self.inflight = self.inflight, deque()
+        inflight = list(self.inflight)
+        self.inflight.clear()
         # The oldest step was running when the worker died: its requests are suspects.
         suspects = {
             seq.request: None
-            for seq_id in (inflight[0].scheduled if inflight else ())
+            for seq_id in (inflight[0].num_scheduled if inflight else ())
             if (seq := self.seqs.get(seq_id)) is not None  # unfinished
         }
         for lost in inflight:

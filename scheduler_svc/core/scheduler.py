@@ -18,9 +18,12 @@ Each step (:meth:`Scheduler.schedule`):
    fit: no overtaking, so nobody starves;
 6. the plan: full data for sequences the workers do not know, deltas for the rest.
 
-:meth:`Scheduler.update` then applies the sampled tokens: it appends them, forks n>1
-samples when their prompt completes, stops sequences (EOS, stop token, max_tokens,
-max_model_len) and frees their blocks. Ending (abort, stop strings) and the recovery
+:meth:`Scheduler.update` then applies the sampled tokens of the oldest step in flight:
+it appends them, forks n>1 samples when their prompt completes, stops sequences (EOS,
+stop token, max_tokens, max_model_len), frees their blocks, and returns the step's
+:class:`~scheduler_svc.core.step_records.StepOutput`. ``Scheduler.inflight`` is the one
+queue of planned steps awaiting their results (see
+:mod:`scheduler_svc.core.step_records`). Ending (abort, stop strings) and the recovery
 from a lost worker live in :mod:`scheduler_svc.core.ending`.
 """
 
@@ -48,13 +51,7 @@ from scheduler_svc.core.policies import (
 )
 from scheduler_svc.core.queues import SeqQueue
 from scheduler_svc.core.request import QueueKey, RejectedError, Request, Sequence
-from scheduler_svc.core.step_records import (
-    InflightStep,
-    StepBuilder,
-    StepReport,
-    UpdateOutcome,
-    WorkerProtocolError,
-)
+from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
@@ -120,10 +117,10 @@ class Scheduler(SequenceEnding):
         self.max_inflight = 2 if config.overlap_scheduling else 1
         """Steps planned ahead of their results: 2 plans step N+1 while N runs."""
         self.inflight: deque[InflightStep] = deque()
-        """Planned steps whose results have not been applied, oldest first."""
+        """Planned steps whose results have not been applied, oldest first: the one
+        record of the steps in flight (the driver keeps its futures on them)."""
         self.last_plan_tokens = 0
         """Tokens the last plan scheduled."""
-        self.report = StepReport(step=-1)
         self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
         self.finished_counts: dict[str, int] = {r.value: 0 for r in FinishReason}
         self.finished_counts["rejected"] = 0
@@ -217,7 +214,7 @@ class Scheduler(SequenceEnding):
         applied: fewer than ``max_inflight`` in flight, and none forks n>1 samples (the
         forked sequences are only known from its result)."""
         inflight = self.inflight
-        return len(inflight) < self.max_inflight and not (inflight and inflight[-1].forks)
+        return len(inflight) < self.max_inflight and not (inflight and inflight[-1].num_samples)
 
     @property
     def cpu_release(self) -> list[int]:
@@ -237,8 +234,7 @@ class Scheduler(SequenceEnding):
             raise RuntimeError("schedule() called with too many steps in flight")
         cfg = self.config
         kv = self.kv
-        report = self.report = StepReport(step=self.step)
-        step = StepBuilder()
+        step = InflightStep(self.step)
         budget = cfg.max_num_batched_tokens
 
         if cfg.policy == "priority":
@@ -264,7 +260,7 @@ class Scheduler(SequenceEnding):
                 index += 1  # it may end with the token in flight: wait for it
                 continue
             if num_new == 1 and seq.on_worker and not seq.pending_forks:
-                # A decode (the common case) without kv.append / StepBuilder.add: one
+                # A decode (the common case) without kv.append / InflightStep.add: one
                 # inside its own partial block changes nothing; one that opens a block
                 # takes one; one that fills its block (or opens the next) registers the
                 # full blocks whose tokens are known in the prefix cache.
@@ -303,7 +299,6 @@ class Scheduler(SequenceEnding):
                 index += 1
 
         # Resume swapped and admit waiting sequences, in queue order, no overtaking.
-        cpu_release: list[int] = []
         if not preempted_here:
             reserve = self.watermark_blocks + growth_reserve
             while budget > 0:
@@ -323,8 +318,8 @@ class Scheduler(SequenceEnding):
                     self.swapped.pop()
                     pairs, cpu_blocks = kv.swap_in(seq, hits)
                     step.swap_in.extend(pairs)
-                    cpu_release.extend(cpu_blocks)
-                    report.swapped_in.append(seq.seq_id)
+                    step.cpu_release.extend(cpu_blocks)
+                    step.swapped_in.append(seq.seq_id)
                 else:
                     hits = kv.find_prefix(seq)
                     num_new = self._chunk(seq.num_tokens - len(hits) * bs, budget)
@@ -332,7 +327,7 @@ class Scheduler(SequenceEnding):
                         break
                     self.waiting.pop()
                     kv.admit(seq, hits)
-                    report.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
+                    step.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
                 seq.status = SeqStatus.RUNNING
                 bisect.insort(running, seq, key=_sort_key)
                 self._running_forks += seq.pending_forks
@@ -343,19 +338,10 @@ class Scheduler(SequenceEnding):
             num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
         ):
             return None  # nothing for the workers until a result is back
-        plan = step.plan(self.step, self._freed_seq_ids, reset=self._reset_workers)
+        plan = step.plan(self._freed_seq_ids, reset=self._reset_workers)
         self._freed_seq_ids = []
         self._reset_workers = False
-        self.inflight.append(
-            InflightStep(
-                self.step,
-                num_scheduled,
-                step.sampling,
-                bool(step.num_samples),
-                cpu_release,
-                step.swapped_out,
-            )
-        )
+        self.inflight.append(step)
         self.last_plan_tokens = cfg.max_num_batched_tokens - budget
         self.step += 1
         return plan
@@ -367,7 +353,7 @@ class Scheduler(SequenceEnding):
             len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
         )
 
-    def _decode_at_block_edge(self, seq: Sequence, slot: int, step: StepBuilder) -> bool:
+    def _decode_at_block_edge(self, seq: Sequence, slot: int, step: InflightStep) -> bool:
         """Schedule a known decode that opens a block (``slot`` 0: one block from the
         pool) or fills its block (the last slot, not shared), registering the full blocks
         whose tokens are known; False when it needs the general way (copy-on-write, or
@@ -405,7 +391,7 @@ class Scheduler(SequenceEnding):
             return swapped, True
         return waiting, False
 
-    def _make_room(self, step: StepBuilder, budget: int) -> None:
+    def _make_room(self, step: InflightStep, budget: int) -> None:
         """Priority policy: preempt running sequences ranked after the best queued one
         until its first chunk fits (blocks and sequence slots).
 
@@ -434,7 +420,7 @@ class Scheduler(SequenceEnding):
                 return
             self._preempt(victim, step)
 
-    def _schedule_seq(self, seq: Sequence, num_new: int, step: StepBuilder) -> None:
+    def _schedule_seq(self, seq: Sequence, num_new: int, step: InflightStep) -> None:
         appended, cow = self.kv.append(seq, num_new)
         step.add(seq, num_new, appended, cow)
         request = seq.request
@@ -442,7 +428,7 @@ class Scheduler(SequenceEnding):
             request.first_scheduled_step = self.step
             self.fair_share.admitted(self.order.priority_term(request), request.fair_round)
 
-    def _preempt(self, index: int, step: StepBuilder) -> None:
+    def _preempt(self, index: int, step: InflightStep) -> None:
         seq = self.running.pop(index)
         self._running_forks -= seq.pending_forks
         mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
@@ -459,12 +445,13 @@ class Scheduler(SequenceEnding):
             seq.status = SeqStatus.WAITING
             self.waiting.push(seq)
         self.preemptions[mode] += 1
-        self.report.preempted.append((seq.seq_id, mode))
+        step.preempted.append((seq.seq_id, mode))
 
     # -- results --------------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> UpdateOutcome:
+    def update(self, result: StepResult) -> StepOutput:
         """Apply the oldest step in flight's sampled tokens; stop and free what finished.
+        Returns that step's output.
 
         A sequence preempted after that step was planned still gets its token (it is
         waiting or swapped now); one that ended meanwhile (abort, stop string, or EOS
@@ -479,45 +466,48 @@ class Scheduler(SequenceEnding):
         self.kv.cpu_pool.release(done.cpu_release)
         sampled = result.sampled_token_ids
         logprobs = result.logprobs or {}
-        outcome = UpdateOutcome()
-        advanced = outcome.advanced
+        plain = not logprobs
+        output = done.output
+        assert output is not None  # made with the plan
+        advanced = output.tokens
         finished = SeqStatus.FINISHED
         for seq in done.sampling:
             seq.num_placeholders -= 1
             if seq.status is finished:
                 continue
-            tokens = sampled.get(seq.seq_id)
-            if tokens and len(tokens) == 1 and not seq.pending_forks and not logprobs:
+            seq_id = seq.seq_id
+            tokens = sampled.get(seq_id)
+            if tokens and len(tokens) == 1 and plain and not seq.pending_forks:
                 # One token, nothing to fork, no logprobs: _append_token inlined (a call
                 # per token is 6% of the core's time per generated token); keep them alike.
                 token = tokens[0]
                 token_ids = seq.token_ids
                 token_ids.append(token)
-                advanced.append(seq)
+                advanced.append((seq.request.request_id, seq.sample_index, seq_id, token))
                 if (
                     token in seq.stop_ids
                     and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
                 ):
-                    self._finish(seq, FinishReason.STOP, outcome)
+                    self._finish(seq, FinishReason.STOP, output)
                 elif len(token_ids) >= seq.max_num_tokens:
-                    self._finish(seq, FinishReason.LENGTH, outcome)
+                    self._finish(seq, FinishReason.LENGTH, output)
                 continue
             if not tokens or len(tokens) != 1 + seq.pending_forks:
                 raise WorkerProtocolError(
-                    f"{seq.seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
+                    f"{seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
                 )
             # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
-            entries = logprobs.get(seq.seq_id)
+            entries = logprobs.get(seq_id)
             if seq.pending_forks:
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
                     if entries:
-                        outcome.logprobs[child.seq_id] = entries[index]
-                    self._append_token(child, token, outcome)
+                        output.logprobs[child.seq_id] = entries[index]
+                    self._append_token(child, token, output)
             if entries:
-                outcome.logprobs[seq.seq_id] = entries[0]
-            self._append_token(seq, tokens[0], outcome)
-        return outcome
+                output.logprobs[seq_id] = entries[0]
+            self._append_token(seq, tokens[0], output)
+        return output
 
     def _fork(self, parent: Sequence, sample_index: int) -> Sequence:
         request = parent.request
@@ -537,16 +527,16 @@ class Scheduler(SequenceEnding):
         self._running_forks -= 1
         return child
 
-    def _append_token(self, seq: Sequence, token: int, outcome: UpdateOutcome) -> None:
+    def _append_token(self, seq: Sequence, token: int, output: StepOutput) -> None:
         token_ids = seq.token_ids
         token_ids.append(token)
-        outcome.advanced.append(seq)
+        output.tokens.append((seq.request.request_id, seq.sample_index, seq.seq_id, token))
         # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
         # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.
         if (
             token in seq.stop_ids
             and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
         ):
-            self._finish(seq, FinishReason.STOP, outcome)
+            self._finish(seq, FinishReason.STOP, output)
         elif len(token_ids) >= seq.max_num_tokens:
-            self._finish(seq, FinishReason.LENGTH, outcome)
+            self._finish(seq, FinishReason.LENGTH, output)

@@ -1,17 +1,34 @@
-"""What one step of the scheduler core produces besides the plan: the record of its
-decisions (:class:`StepReport`), of what an update changed (:class:`UpdateOutcome`),
-the plan under construction (:class:`StepBuilder`), a planned step waiting for its
-result (:class:`InflightStep`), and the error for a result that does not answer its
-plan."""
+"""A step of the scheduler core from its plan to its output.
+
+A step is three values, as it crosses three owners: the plan the core makes
+(:class:`~ipc.schema.BatchPlan`, :meth:`Scheduler.schedule`), the result the workers
+return (:class:`~ipc.schema.StepResult`), and what the core made of it
+(:class:`StepOutput`, :meth:`Scheduler.update`): the tokens, ends and logprobs the
+output path turns into client messages, with the decisions of its planning and where
+its time went, for the simulator, the tests and ``expeditor inspect``.
+
+Between plan and result the step is an :class:`InflightStep` in ``Scheduler.inflight``,
+the one queue of steps in flight: oldest first, popped by ``update()``, cleared by
+``on_worker_lost()``. :class:`InflightStep` is also the plan under construction (what
+``schedule()`` adds to it becomes the plan), what the core must apply or undo when the
+result arrives or is lost, and the driver's handle on the result (its ``future``, set
+by :class:`~scheduler_svc.step_engine.StepEngine`, which an executor that tracks its
+steps reads back from there).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ipc.schema import BatchPlan, BlockUpdate, NewSeq
+from ipc.schema import BatchPlan, BlockUpdate, NewSeq, StepResult
 from scheduler_svc.core.kv_manager import CopyOnWrite
 from scheduler_svc.core.policies import PreemptionMode
 from scheduler_svc.core.request import Request, Sequence
+from shared.outputs import FinishReason
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 
 class WorkerProtocolError(RuntimeError):
@@ -19,32 +36,56 @@ class WorkerProtocolError(RuntimeError):
 
 
 @dataclass(slots=True)
-class StepReport:
-    """What one :meth:`Scheduler.schedule` decided besides the plan itself."""
+class StepOutput:
+    """What one step produced: :meth:`Scheduler.update`'s return value, and what
+    :meth:`StepEngine.step` returns (the output path's input).
+
+    Plain ids and values, taken when the result was applied: the output path may
+    process it while later steps change the sequences."""
+
+    plan: BatchPlan
+    preempted: list[tuple[str, PreemptionMode]]
+    """Sequences its planning preempted, in order, and how."""
+    swapped_in: list[str]
+    prefix_hit_tokens: dict[str, int]
+    """Sequence id -> prompt tokens found in the prefix cache, for those it admitted."""
+    tokens: list[tuple[str, int, str, int]] = field(default_factory=list)
+    """(request id, sample index, sequence id, new token), one a sequence that got one."""
+    finished_seqs: list[tuple[str, int, FinishReason]] = field(default_factory=list)
+    """(request id, sample index, finish reason) of the samples it ended."""
+    finished_requests: list[str] = field(default_factory=list)
+    """Requests whose last sample it ended."""
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Sequence id -> logprobs of its new token, where the request asked for them."""
+    lost: bool = False
+    """The workers lost the step (its result, if any, was dropped with the device
+    cache): nothing above was applied, its requests were re-queued."""
+    quarantined: list[Request] = field(default_factory=list)
+    """Requests ended because steps holding them were lost twice (a lost step only)."""
+    schedule_s: float = 0.0
+    update_s: float = 0.0
+    """Time in the core: ``schedule()``, and ``update()``."""
+    execute_s: float = 0.0
+    """From submitting the plan, or from the previous step's result when it was
+    submitted ahead of it, to having its result (the worker's time included)."""
+    planned_at: float = 0.0
+    """``time.monotonic()`` when the plan was made (its new requests' queue time ends
+    there); 0 = unknown, take ``time``."""
+    time: float = 0.0
+    """``time.monotonic()`` when its result was applied."""
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A step from planning until its result is applied (or lost).
+
+    :meth:`add` builds the plan's parts while ``schedule()`` runs, :meth:`plan` makes
+    the plan; then the step waits in ``Scheduler.inflight`` with what its result needs:
+    the sequences that sample, the CPU blocks to release, the swap-outs riding on it."""
 
     step: int
-    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
-    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class UpdateOutcome:
-    """What one :meth:`Scheduler.update` changed."""
-
-    advanced: list[Sequence] = field(default_factory=list)
-    """Sequences that got new tokens (their last ``len(tokens)`` entries)."""
-    finished: list[Sequence] = field(default_factory=list)
-    finished_requests: list[Request] = field(default_factory=list)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Sequence id -> logprobs of the token it got, where the request asked for them."""
-
-
-@dataclass(slots=True)
-class StepBuilder:
-    """The parts of the plan under construction."""
-
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    """The plan's ``num_scheduled_tokens``: who runs in it."""
     sampling: list[Sequence] = field(default_factory=list)
     """Scheduled sequences that sample a token (their last scheduled token is the last
     one they have, known or a placeholder)."""
@@ -52,9 +93,22 @@ class StepBuilder:
     block_updates: list[BlockUpdate] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
+    """Sequences whose swap-out copies ride on it."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    cpu_release: list[int] = field(default_factory=list)
+    """CPU blocks of its swap-ins, released when its result arrives."""
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_samples: dict[str, int] = field(default_factory=dict)
+    """Sequences that fork n>1 samples in it (nothing is planned past such a step)."""
+    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+    output: StepOutput | None = None
+    """Made with the plan; ``update()`` fills it in and returns it."""
+    future: Future[StepResult] | None = None
+    """The driver's: the executor's future of its result (``StepEngine``)."""
+    submitted: float = 0.0
+    """The driver's: ``time.perf_counter()`` when the plan was submitted."""
 
     def add(
         self,
@@ -101,9 +155,10 @@ class StepBuilder:
             if seq.pending_forks:
                 self.num_samples[seq_id] = 1 + seq.pending_forks
 
-    def plan(self, step: int, freed_seq_ids: list[str], *, reset: bool) -> BatchPlan:
-        return BatchPlan(
-            step=step,
+    def plan(self, freed_seq_ids: list[str], *, reset: bool) -> BatchPlan:
+        """The plan of what was added; makes the step's :attr:`output`."""
+        plan = BatchPlan(
+            step=self.step,
             num_scheduled_tokens=self.num_scheduled,
             new_seqs=self.new_seqs,
             block_updates=self.block_updates,
@@ -114,22 +169,8 @@ class StepBuilder:
             copies=self.copies,
             num_samples=self.num_samples,
         )
-
-
-@dataclass(slots=True)
-class InflightStep:
-    """A planned step whose result has not been applied yet."""
-
-    step: int
-    scheduled: dict[str, int]
-    """The plan's ``num_scheduled_tokens``: who runs in it."""
-    sampling: list[Sequence]
-    forks: bool
-    """Whether it samples the forks of an n>1 request (nothing is planned past it)."""
-    cpu_release: list[int] = field(default_factory=list)
-    """CPU blocks of its swap-ins, released when its result arrives."""
-    swapped_out: list[Sequence] = field(default_factory=list)
-    """Sequences whose swap-out copies ride on it."""
+        self.output = StepOutput(plan, self.preempted, self.swapped_in, self.prefix_hit_tokens)
+        return plan
 
 
 def _params_on_worker(seq: Sequence) -> bool:

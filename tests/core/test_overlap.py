@@ -11,39 +11,50 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from support.harness import add, make
+from support.harness import BS, Harness
 
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.fake_worker import FakeWorker
 from scheduler_svc.simulator import Simulation, TraceRequest
 from scheduler_svc.step_engine import InlineExecutor, StepEngine, StepLostError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
-BS = 4
+
+def make(eos_at: dict[str, int] | None = None, *, overlap: bool = True, **config: object):
+    """The harness planning ahead (overlap on), with a swap pool."""
+    return Harness(eos_at, overlap_scheduling=overlap, num_cpu_blocks=32, **config)
 
 
 class Watching:
     """An inline executor that records, for each plan, the core's state when it was
-    submitted: how many steps were in flight, and which scheduled sequences were
-    planned on top of a token not back yet."""
+    submitted: how many steps were in flight, which scheduled sequences were planned on
+    top of a token not back yet, and how many sequences its planning preempted while a
+    token of theirs was in flight."""
 
     def __init__(self, sched: Scheduler, execute: Callable[[BatchPlan], StepResult]) -> None:
         self.sched = sched
         self.inner = InlineExecutor(execute)
         self.inflight: list[int] = []
         self.on_placeholder: list[set[str]] = []
+        self.preempted_in_flight = 0
 
     def submit(self, plan: BatchPlan) -> Future[StepResult]:
-        self.inflight.append(len(self.sched.inflight))  # this plan's step included
+        sched = self.sched
+        self.inflight.append(len(sched.inflight))  # this plan's step included
         self.on_placeholder.append(
             {
                 seq_id
                 for seq_id in plan.num_scheduled_tokens
-                if (seq := self.sched.seqs.get(seq_id)) and seq.num_placeholders == 2
+                if (seq := sched.seqs.get(seq_id)) and seq.num_placeholders == 2
             }
+        )
+        self.preempted_in_flight += sum(
+            1
+            for seq_id, _ in sched.inflight[-1].preempted  # the step just planned
+            if (seq := sched.seqs.get(seq_id)) and seq.num_placeholders
         )
         return self.inner.submit(plan)
 
@@ -52,7 +63,7 @@ def run(engine: StepEngine, max_steps: int = 500) -> None:
     for _ in range(max_steps):
         if not engine.has_work():
             return
-        assert engine.step().result is not None
+        assert not engine.step().lost
     raise AssertionError("no end")
 
 
@@ -67,13 +78,14 @@ def outputs(sched: Scheduler, requests: list) -> dict[str, tuple[list[int], Fini
 def test_decodes_are_planned_on_top_of_placeholders_and_stay_exact() -> None:
     results = {}
     for overlap in (True, False):
-        sched, worker, model = make(overlap=overlap)
+        h = make(overlap=overlap)
+        sched, worker, model = h.sched, h.worker, h.model
         executor = Watching(sched, worker.execute)
         engine = StepEngine(sched, executor, check_invariants=True)
         requests = [
-            add(sched, model, "a", 9, max_tokens=12),
-            add(sched, model, "b", 5, max_tokens=7, n=2),
-            add(sched, model, "c", 30, max_tokens=5),
+            h.add("a", 9, max_tokens=12),
+            h.add("b", 5, max_tokens=7, n=2),
+            h.add("c", 30, max_tokens=5),
         ]
         run(engine)
         results[overlap] = outputs(sched, requests)
@@ -101,15 +113,16 @@ def test_decodes_are_planned_on_top_of_placeholders_and_stay_exact() -> None:
 def test_no_step_is_planned_past_a_length_limit() -> None:
     """A sequence whose token in flight is its last (max_tokens or max_model_len) waits
     for it: every token it computes is one it needed."""
-    sched, worker, model = make(max_model_len=24)
+    h = make(max_model_len=24)
+    sched, worker = h.sched, h.worker
     executor = Watching(sched, worker.execute)
     engine = StepEngine(sched, executor, check_invariants=True)
-    add(sched, model, "short", 6, max_tokens=4, ignore_eos=True)
-    add(sched, model, "long", 16, max_tokens=None, ignore_eos=True)  # to max_model_len
+    h.add("short", 6, max_tokens=4, ignore_eos=True)
+    h.add("long", 16, max_tokens=None, ignore_eos=True)  # to max_model_len
     scheduled: dict[str, int] = {"short": 0, "long": 0}
     while engine.has_work():
-        record = engine.step()
-        for seq_id, count in record.plan.num_scheduled_tokens.items():
+        output = engine.step()
+        for seq_id, count in output.plan.num_scheduled_tokens.items():
             scheduled[seq_id] += count
     # prompt + outputs - 1: the last output token is never computed.
     assert scheduled == {"short": 6 + 4 - 1, "long": 24 - 1}
@@ -119,10 +132,10 @@ def test_no_step_is_planned_past_a_length_limit() -> None:
 def test_a_token_after_eos_is_computed_and_dropped() -> None:
     """EOS is only known when its result is back; the step planned meanwhile computes
     one more token of that sequence, which nobody sees."""
-    model = FakeModel(eos_at={"e": 3})
-    sched, worker, _ = make(model)
+    h = make({"e": 3})
+    sched, worker, model = h.sched, h.worker, h.model
     engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
-    request = add(sched, model, "e", 7, max_tokens=10)
+    request = h.add("e", 7, max_tokens=10)
     while engine.has_work():
         engine.step()
     assert request.seqs[0].output_token_ids[-1] == model.eos_token_id
@@ -132,10 +145,11 @@ def test_a_token_after_eos_is_computed_and_dropped() -> None:
 
 
 def test_abort_between_planned_steps() -> None:
-    sched, worker, model = make()
+    h = make()
+    sched, worker, model = h.sched, h.worker, h.model
     engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
-    keep = add(sched, model, "keep", 8, max_tokens=10)
-    gone = add(sched, model, "gone", 8, max_tokens=10)
+    keep = h.add("keep", 8, max_tokens=10)
+    gone = h.add("gone", 8, max_tokens=10)
     for _ in range(4):
         engine.step()
     assert sched.inflight  # the next step is planned and holds "gone"
@@ -152,17 +166,14 @@ def test_preempted_with_a_token_in_flight_keeps_it() -> None:
     """A pool too small for both: the sequence preempted while its token is in flight
     gets that token when the result arrives, and resumes from it."""
     for mode in ("swap", "recompute"):
-        sched, worker, model = make(num_gpu_blocks=10, preemption_mode=mode)
-        engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
-        requests = [add(sched, model, rid, 10, max_tokens=14, ignore_eos=True) for rid in "xy"]
-        preempted_in_flight = 0
+        h = make(num_gpu_blocks=10, preemption_mode=mode)
+        sched, worker, model = h.sched, h.worker, h.model
+        executor = Watching(sched, worker.execute)
+        engine = StepEngine(sched, executor, check_invariants=True)
+        requests = [h.add(rid, 10, max_tokens=14, ignore_eos=True) for rid in "xy"]
         while engine.has_work():
-            before = {s.seq_id: s.num_placeholders for s in sched.running}
             engine.step()
-            preempted_in_flight += sum(
-                1 for seq_id, _ in sched.report.preempted if before.get(seq_id)
-            )
-        assert preempted_in_flight > 0, mode
+        assert executor.preempted_in_flight > 0, mode
         assert sched.preemptions[mode] > 0
         for request in requests:
             want = model.reference_output(request.request_id, 0, 10, request.params, 128)
@@ -191,21 +202,22 @@ class LosingExecutor:
 
 
 def test_a_step_lost_with_the_next_planned_requeues_and_stays_exact() -> None:
-    sched, _, model = make()
+    h = make()
+    sched, model = h.sched, h.model
 
     def fresh() -> FakeWorker:
         return FakeWorker(model, block_size=BS, num_gpu_blocks=64, num_cpu_blocks=32)
 
     executor = LosingExecutor(fresh, lose_at=6)
     engine = StepEngine(sched, executor, check_invariants=True)
-    requests = [add(sched, model, f"r{i}", 5 + i, max_tokens=9) for i in range(3)]
+    requests = [h.add(f"r{i}", 5 + i, max_tokens=9) for i in range(3)]
     lost = 0
     while engine.has_work():
-        record = engine.step()
-        if record.result is None:
+        output = engine.step()
+        if output.lost:
             lost += 1
-            assert record.plan.step == 6 and record.quarantined == []
-            assert not engine.pending and not sched.inflight
+            assert output.plan.step == 6 and output.quarantined == []
+            assert output.tokens == [] and not sched.inflight
     assert lost == 1
     for request in requests:
         want = model.reference_output(
@@ -251,9 +263,10 @@ def test_blocks_filled_by_placeholders_are_cached_once_their_tokens_are_known() 
     """A block whose last slot a placeholder fills is registered in the prefix cache
     with the next step, under its real tokens: a follow-up prompt that repeats the
     conversation hits every full block of it."""
-    sched, worker, model = make()
+    h = make()
+    sched, worker = h.sched, h.worker
     engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
-    first = add(sched, model, "turn1", 8, max_tokens=10, ignore_eos=True)
+    first = h.add("turn1", 8, max_tokens=10, ignore_eos=True)
     run(engine)
     history = first.prompt_token_ids + first.seqs[0].output_token_ids  # 18 tokens
     sched.add_request("turn2", [*history, 7, 7], SamplingParams(temperature=0.0, max_tokens=2))
@@ -264,15 +277,18 @@ def test_blocks_filled_by_placeholders_are_cached_once_their_tokens_are_known() 
 def test_a_result_that_arrives_before_a_loss_is_dropped_with_the_cache() -> None:
     """The worker is lost after a step's result arrived and before the engine applied
     it: the loss re-queued everything, so the result is dropped, not applied twice."""
-    sched, worker, model = make(overlap=False)
+    h = make(overlap=False)
+    sched, worker, model = h.sched, h.worker, h.model
     engine = StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True)
-    request = add(sched, model, "r", 6, max_tokens=5)
+    request = h.add("r", 6, max_tokens=5)
     engine.step()
-    record, future, submitted = engine._next()
-    assert future.done()  # its result is in
+    step = engine._fill()
+    assert step.future is not None and step.future.done()  # its result is in
     engine.on_worker_lost()  # seen between the result and its update
-    dropped = engine._apply(record, future.result(), submitted)
-    assert dropped.result is None and request.seqs[0].num_computed_tokens == 0
+    assert not sched.inflight and not engine.futures()  # cleared in the one queue
+    dropped = engine._apply(step, step.future.result())
+    assert dropped.lost and dropped.tokens == []
+    assert request.seqs[0].num_computed_tokens == 0
     worker.state.seqs.clear()  # a fresh worker
     run(engine)
     assert outputs(sched, [request])["r"] == model.reference_output("r", 0, 6, request.params, 128)
@@ -281,11 +297,12 @@ def test_a_result_that_arrives_before_a_loss_is_dropped_with_the_cache() -> None
 def test_nothing_is_planned_past_a_step_that_forks() -> None:
     """The samples of an n>1 request exist only once the step that forks them is back:
     no step is planned on top of it, while a step without forks has one planned on top."""
-    sched, worker, model = make()
-    add(sched, model, "solo", 5, max_tokens=6, ignore_eos=True)
+    h = make()
+    sched, worker = h.sched, h.worker
+    h.add("solo", 5, max_tokens=6, ignore_eos=True)
     first = sched.schedule()
     assert first is not None and sched.can_plan_ahead()  # no fork: plan ahead
-    add(sched, model, "pair", 5, max_tokens=6, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    h.add("pair", 5, max_tokens=6, n=2, temperature=1.0, seed=3, ignore_eos=True)
     second = sched.schedule()
     assert second is not None and second.num_samples == {"pair/0": 2}  # it forks
     assert not sched.can_plan_ahead()

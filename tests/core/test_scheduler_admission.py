@@ -25,7 +25,7 @@ def test_a_decode_filling_its_block_reserves_its_next_block_against_admission() 
     h.step()
     assert a.seqs[0].num_computed_tokens == 7 and h.sched.kv.pool.num_free == 1
     h.add("b", 3, max_tokens=1)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert a.seqs[0].num_computed_tokens % BS == 0
     assert plan.num_scheduled_tokens == {"a": 1}, "b was admitted into a's reserved block"
     assert h.sched.kv.pool.num_free == 1
@@ -41,10 +41,10 @@ def test_a_prefill_chunk_ending_on_a_block_edge_reserves_the_next_block() -> Non
     # second chunk ends on a block edge: its first decode needs the one free block.
     h = Harness(num_gpu_blocks=4, max_num_batched_tokens=8)
     a = h.add("a", 12, max_tokens=4)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 8}
     h.add("b", 4, max_tokens=1)  # one block, and the budget has room for it
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert a.seqs[0].num_computed_tokens == 12 and h.sched.kv.pool.num_free == 1
     assert plan.num_scheduled_tokens == {"a": 4}, "b was admitted into a's reserved block"
     h.run()
@@ -59,7 +59,7 @@ def test_a_prefill_chunk_inside_a_block_reserves_nothing() -> None:
     a = h.add("a", 11, max_tokens=5)
     h.step()
     h.add("b", 3, max_tokens=2)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert a.seqs[0].num_computed_tokens == 11 and a.seqs[0].num_computed_tokens % BS
     assert plan.num_scheduled_tokens == {"a": 3, "b": 3}
     h.run()
@@ -77,7 +77,7 @@ def test_the_reserve_counts_every_running_sequence_at_a_block_edge() -> None:
         h.step()
         assert h.sched.kv.pool.num_free == free
         h.add("c", 2, max_tokens=1)
-        plan, _, _ = h.step()
+        plan = h.step().plan
         assert ("c" in plan.num_scheduled_tokens) is admitted, (free, plan.num_scheduled_tokens)
         h.run()
         assert h.sched.preemptions == NO_PREEMPTIONS
@@ -91,10 +91,10 @@ def test_the_reserve_counts_every_prefill_chunk_ending_on_a_block_edge() -> None
         h = Harness(num_gpu_blocks=6 + free, long_prefill_token_threshold=8)
         h.add("a", 12, max_tokens=2)
         h.add("b", 12, max_tokens=2)
-        plan, _, _ = h.step()
+        plan = h.step().plan
         assert plan.num_scheduled_tokens == {"a": 8, "b": 8}
         h.add("c", 2, max_tokens=1)
-        plan, _, _ = h.step()
+        plan = h.step().plan
         assert plan.num_scheduled_tokens["a"] == plan.num_scheduled_tokens["b"] == 4
         assert h.sched.kv.pool.num_free == free
         assert ("c" in plan.num_scheduled_tokens) is admitted, (free, plan.num_scheduled_tokens)
@@ -118,7 +118,7 @@ def test_a_swapped_sequence_resumes_before_a_later_waiting_request() -> None:
     order: list[str] = []
     while h.sched.has_work():
         h.step()
-        order += [s for s in h.sched.report.swapped_in if s == "b"]
+        order += [s for s in h.last.swapped_in if s == "b"]
         if w.seqs[0].status is not SeqStatus.WAITING and "w" not in order:
             order.append("w")
             assert b.seqs[0].status is not SeqStatus.SWAPPED, "w overtook the swapped b"
@@ -138,8 +138,8 @@ def test_a_swapped_sequence_that_does_not_fit_blocks_later_waiting_requests() ->
     waited_with_room = 0
     while b.seqs[0].status is SeqStatus.SWAPPED:
         free = h.sched.kv.pool.num_free
-        plan, _, _ = h.step()
-        if "b" not in h.sched.report.swapped_in:
+        plan = h.step().plan
+        if "b" not in h.last.swapped_in:
             assert "w" not in plan.num_scheduled_tokens, "w overtook the swapped b"
             waited_with_room += free > 0 and a.seqs[0].status is SeqStatus.RUNNING
     assert waited_with_room, "the scenario never had room for w while b was swapped"

@@ -68,7 +68,7 @@ def test_forked_samples_without_logprobs_get_none() -> None:
     assert plan is not None
     outcome = h.sched.update(h.worker.execute(plan))
     assert outcome.logprobs == {}
-    assert {s.seq_id for s in outcome.advanced} == {"r/0", "r/1"}
+    assert {seq_id for _, _, seq_id, _ in outcome.tokens} == {"r/0", "r/1"}
     h.run()
     assert request.finished
     h.assert_reference_outputs()

@@ -1,4 +1,4 @@
-"""What each plan and step report say besides the tokens: the reset flag after a lost
+"""What each plan and step output say besides the tokens: the reset flag after a lost
 worker, the step numbers, when a request was first scheduled, and the plans made ahead
 with a step in flight (overlapped scheduling), which skip a sequence waiting for its
 last token without holding back the others, and still carry what the workers must drop.
@@ -8,36 +8,34 @@ Scenarios on the real Scheduler with the fake worker.
 
 from __future__ import annotations
 
-from support.harness import Harness, add, make, restart_worker
-
-from scheduler_svc.core.step_records import StepReport
+from support.harness import Harness, restart_worker
 
 
 def test_only_the_plan_after_a_lost_worker_tells_workers_to_reset() -> None:
     h = Harness()
     h.add("a", 6, max_tokens=6)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.reset is False
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.reset is False
     h.sched.on_worker_lost()
     restart_worker(h)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.reset is True
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.reset is False
     h.run()
     h.assert_reference_outputs()
 
 
-def test_reports_and_plans_are_numbered_by_step() -> None:
+def test_outputs_and_plans_are_numbered_by_step() -> None:
     h = Harness()
-    assert h.sched.report == StepReport(step=-1)  # nothing planned yet
+    assert not h.sched.inflight  # nothing planned yet
     assert h.sched.last_plan_tokens == 0 and h.sched.step == 0
     h.add("a", 6, max_tokens=3)
     for index in range(3):
-        plan, _, _ = h.step()
-        assert plan.step == h.sched.report.step == index
+        plan = h.step().plan
+        assert plan.step == index
         assert h.sched.step == index + 1
         assert h.sched.last_plan_tokens == plan.total_tokens
 
@@ -54,7 +52,7 @@ def test_first_scheduled_step_is_kept_through_preemption() -> None:
     preempted = []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
+        preempted += h.last.preempted
     assert ("b", "recompute") in preempted
     assert (a.first_scheduled_step, b.first_scheduled_step) == (0, 1)
     assert c.first_scheduled_step is not None and c.first_scheduled_step >= 1
@@ -65,9 +63,10 @@ def test_first_scheduled_step_is_kept_through_preemption() -> None:
 
 
 def test_a_sequence_waiting_for_its_last_token_does_not_hold_back_the_others() -> None:
-    sched, worker, model = make()
-    add(sched, model, "short", 6, max_tokens=2, ignore_eos=True)
-    add(sched, model, "long", 6, max_tokens=8, ignore_eos=True)
+    h = Harness(overlap_scheduling=True, num_cpu_blocks=32)
+    sched, worker = h.sched, h.worker
+    h.add("short", 6, max_tokens=2, ignore_eos=True)
+    h.add("long", 6, max_tokens=8, ignore_eos=True)
     first = sched.schedule()
     ahead = sched.schedule()  # on top of the tokens of the first step
     assert first is not None and ahead is not None
@@ -82,9 +81,10 @@ def test_a_sequence_waiting_for_its_last_token_does_not_hold_back_the_others() -
 
 
 def test_a_plan_ahead_carrying_only_sequences_to_drop_is_sent() -> None:
-    sched, worker, model = make()
-    add(sched, model, "short", 6, max_tokens=2, ignore_eos=True)
-    add(sched, model, "gone", 6, max_tokens=8, ignore_eos=True)
+    h = Harness(overlap_scheduling=True, num_cpu_blocks=32)
+    sched, worker = h.sched, h.worker
+    h.add("short", 6, max_tokens=2, ignore_eos=True)
+    h.add("gone", 6, max_tokens=8, ignore_eos=True)
     first = sched.schedule()
     ahead = sched.schedule()
     assert first is not None and ahead is not None
@@ -105,8 +105,9 @@ def test_a_plan_ahead_carrying_only_sequences_to_drop_is_sent() -> None:
 
 
 def test_nothing_to_send_while_a_step_is_in_flight_gives_no_plan() -> None:
-    sched, worker, model = make()
-    add(sched, model, "short", 6, max_tokens=2, ignore_eos=True)
+    h = Harness(overlap_scheduling=True, num_cpu_blocks=32)
+    sched, worker = h.sched, h.worker
+    h.add("short", 6, max_tokens=2, ignore_eos=True)
     first = sched.schedule()
     ahead = sched.schedule()
     assert first is not None and ahead is not None

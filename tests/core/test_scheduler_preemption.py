@@ -20,7 +20,7 @@ def run_recording(h: Harness) -> list[tuple[str, str]]:
     preempted: list[tuple[str, str]] = []
     while h.engine.has_work():
         h.step()
-        preempted += h.sched.report.preempted
+        preempted += h.last.preempted
     return preempted
 
 
@@ -43,9 +43,9 @@ def test_a_sequence_preempted_to_recompute_keeps_no_computed_tokens() -> None:
     h = Harness(num_gpu_blocks=8, preemption_mode="recompute")
     h.add("a", 8, max_tokens=12)
     b = h.add("b", 8, max_tokens=12).seqs[0]
-    while not h.sched.report.preempted:
-        h.step()
-    assert h.sched.report.preempted == [("b", "recompute")]
+    while not h.step().preempted:
+        pass
+    assert h.last.preempted == [("b", "recompute")]
     assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
     assert b.block_table == [] and b.num_output_tokens > 0  # its tokens are kept
     info = {s.seq_id: s for s in snapshot(h.sched).seqs}["b"]
@@ -60,11 +60,11 @@ def test_a_chunk_needing_exactly_the_free_blocks_preempts_nobody() -> None:
     h = Harness(num_gpu_blocks=4, max_num_batched_tokens=9, long_prefill_token_threshold=8)
     a = h.add("a", 12, max_tokens=4)
     h.add("b", 1, max_tokens=3)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 8, "b": 1}
     assert h.sched.kv.pool.num_free == 1
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == []
+    plan = h.step().plan
+    assert h.last.preempted == []
     assert plan.num_scheduled_tokens == {"a": 4, "b": 1}
     assert h.sched.kv.pool.num_free == 0 and a.seqs[0].num_computed_tokens == 12
     h.run()
@@ -80,8 +80,8 @@ def test_making_room_preempts_just_enough_for_a_free_sequence_slot() -> None:
     h.add("low2", 6, max_tokens=8, priority=5)
     h.step()
     h.add("vip", 6, max_tokens=2, priority=0)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == [("low2", "recompute")]
+    plan = h.step().plan
+    assert h.last.preempted == [("low2", "recompute")]
     assert set(plan.num_scheduled_tokens) == {"vip", "low1"}
     h.run()
     h.assert_reference_outputs()
@@ -98,9 +98,9 @@ def test_making_room_counts_the_prefix_hits_of_the_arrival() -> None:
     h.step()  # both open a new block: the pool is full
     assert h.sched.kv.pool.num_free == 0
     h.add("vip", [*shared, 21, 22, 23, 24], max_tokens=2, priority=0)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == [("low2", "recompute")]
-    assert h.sched.report.prefix_hit_tokens == {"vip": 2 * BS}
+    plan = h.step().plan
+    assert h.last.preempted == [("low2", "recompute")]
+    assert h.last.prefix_hit_tokens == {"vip": 2 * BS}
     assert plan.num_scheduled_tokens["vip"] == BS
     h.run()
     h.assert_reference_outputs()
@@ -121,7 +121,7 @@ def test_a_swapped_sequence_first_in_line_does_not_preempt_capped_ones() -> None
     h.step()
     h.add("vip1", 32, max_tokens=2, priority=0)  # 8 blocks: only 7 are free
     h.step()
-    assert h.sched.report.preempted == [("low", "swap")] and low.num_preemptions == 1
+    assert h.last.preempted == [("low", "swap")] and low.num_preemptions == 1
     while low.status is not SeqStatus.RUNNING:
         h.step()
     mid = h.add("mid", 8, max_tokens=16, priority=3).seqs[0]
@@ -129,11 +129,11 @@ def test_a_swapped_sequence_first_in_line_does_not_preempt_capped_ones() -> None
     assert mid.status is SeqStatus.RUNNING
     h.add("vip2", 20, max_tokens=2, priority=0)
     h.step()
-    assert h.sched.report.preempted == [("mid", "swap")]
+    assert h.last.preempted == [("mid", "swap")]
     assert low.status is SeqStatus.RUNNING
     while mid.status is SeqStatus.SWAPPED:
         h.step()
-        assert h.sched.report.preempted == [], "a capped sequence was preempted"
+        assert h.last.preempted == [], "a capped sequence was preempted"
     h.run()
     h.assert_reference_outputs()
 
@@ -146,13 +146,13 @@ def test_a_prefill_that_preempts_itself_is_not_restarted_in_the_same_step() -> N
     h = Harness(num_gpu_blocks=4, max_num_batched_tokens=8, preemption_mode="recompute")
     h.add("a", 5, max_tokens=3)
     p = h.add("p", 12, max_tokens=4).seqs[0]
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 5, "p": 3} and h.sched.kv.pool.num_free == 1
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == [("p", "recompute")]
+    plan = h.step().plan
+    assert h.last.preempted == [("p", "recompute")]
     assert plan.num_scheduled_tokens == {"a": 1}, "p was restarted in the step it was preempted"
     assert p.status is SeqStatus.WAITING and h.sched.kv.pool.num_free == 2
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 1, "p": 7}
     h.run()
     h.assert_reference_outputs()
@@ -174,8 +174,8 @@ def test_a_step_that_preempts_admits_nobody(seed: int) -> None:
         h.add(f"r{index}", rng.randint(2, 14), max_tokens=rng.randint(4, 20))
     preemptions = 0
     while h.engine.has_work():
-        plan, _, _ = h.step()
-        report = h.sched.report
+        report = h.step()
+        plan = report.plan
         if report.preempted:
             preemptions += 1
             assert report.swapped_in == [] and report.prefix_hit_tokens == {}, report

@@ -30,9 +30,10 @@ def run_until_a_plan_swaps_in(h: Harness) -> tuple[BatchPlan, list[int]]:
         held = {s.seq_id: list(s.cpu_block_table) for s in h.sched.swapped}
         plan = h.sched.schedule()
         assert plan is not None
-        if h.sched.report.swapped_in:
+        swapped_in = h.sched.inflight[-1].swapped_in  # the step just planned
+        if swapped_in:
             assert plan.swap_in
-            return plan, [b for seq_id in h.sched.report.swapped_in for b in held[seq_id]]
+            return plan, [b for seq_id in swapped_in for b in held[seq_id]]
         h.sched.update(h.worker.execute(plan))
         assert check_invariants(h.sched) == []
     raise AssertionError("no plan swapped anything in")

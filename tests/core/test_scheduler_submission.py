@@ -93,7 +93,7 @@ def test_the_samples_of_a_request_keep_their_order_in_the_queue() -> None:
     assert [s.status for s in low.seqs] == [SeqStatus.RUNNING] * 2
     h.add("vip", 28, max_tokens=2, priority=0)
     h.step()
-    assert h.sched.report.preempted == [("low/1", "recompute"), ("low/0", "recompute")]
+    assert h.last.preempted == [("low/1", "recompute"), ("low/0", "recompute")]
     waiting = [s.seq_id for s in snapshot(h.sched).seqs if s.state is SeqStatus.WAITING]
     assert waiting == ["low/0", "low/1"]
     h.run()

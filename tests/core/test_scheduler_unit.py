@@ -121,17 +121,17 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
     seq = request.seqs[0]
     chunks = []
     for expected_computed in (32, 64, 96):
-        plan, result, outcome = h.step()
-        chunks.append(plan.num_scheduled_tokens["r"])
-        assert result.sampled_token_ids == {}
-        assert outcome.advanced == []
+        output = h.step()
+        chunks.append(output.plan.num_scheduled_tokens["r"])
+        assert h.result is not None and h.result.sampled_token_ids == {}
+        assert output.tokens == []
         assert seq.num_computed_tokens == expected_computed
         assert seq.num_output_tokens == 0
-    plan, result, outcome = h.step()
-    chunks.append(plan.num_scheduled_tokens["r"])
+    output = h.step()
+    chunks.append(output.plan.num_scheduled_tokens["r"])
     assert chunks == [32, 32, 32, 4]
-    assert list(result.sampled_token_ids) == ["r"]
-    assert outcome.advanced == [seq]
+    assert h.result is not None and list(h.result.sampled_token_ids) == ["r"]
+    assert output.tokens == [("r", 0, "r", seq.token_ids[-1])]
     assert seq.num_output_tokens == 1
     # The first chunk sends the sequence in full, later ones only grow its table.
     assert [n.seq_id for n in h.plans[0].new_seqs] == ["r"]
@@ -144,11 +144,11 @@ def test_long_prefill_token_threshold_caps_a_chunk() -> None:
     h = Harness(max_num_batched_tokens=32, long_prefill_token_threshold=10)
     h.add("r", 25, max_tokens=2)
     h.add("s", 6, max_tokens=2)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"r": 10, "s": 6}
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens["r"] == 10
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens["r"] == 5
     h.run()
     h.assert_reference_outputs()
@@ -158,9 +158,9 @@ def test_token_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
     h = Harness(max_num_batched_tokens=16)
     for name in ("a", "b", "c"):
         h.add(name, 10, max_tokens=4)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 10, "b": 6}
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 10}
     h.run()
     assert all(p.total_tokens <= 16 for p in h.plans)
@@ -172,7 +172,7 @@ def test_max_num_seqs_caps_the_running_set() -> None:
     h = Harness(max_num_seqs=2)
     for name in ("a", "b", "c", "d"):
         h.add(name, 5, max_tokens=3)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert set(plan.num_scheduled_tokens) == {"a", "b"}
     assert len(h.sched.waiting) == 2
     h.run()
@@ -186,7 +186,7 @@ def test_max_num_seqs_counts_samples_still_to_fork() -> None:
     h.add("a", 20, max_tokens=2, n=3)
     h.add("b", 4, max_tokens=2)
     h.add("c", 4, max_tokens=2)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert set(plan.num_scheduled_tokens) == {"a/0", "b"}
     h.run()
     h.assert_reference_outputs()
@@ -230,9 +230,9 @@ def test_min_tokens_suppresses_an_early_eos() -> None:
     h.sched.update(StepResult(step=1, sampled_token_ids={"r": [eos]}))
     assert seq.status is SeqStatus.RUNNING  # 2 outputs, min_tokens=2: still too early
     h.sched.schedule()
-    outcome = h.sched.update(StepResult(step=2, sampled_token_ids={"r": [eos]}))
+    output = h.sched.update(StepResult(step=2, sampled_token_ids={"r": [eos]}))
     assert seq.finish_reason == FinishReason.STOP
-    assert outcome.finished_requests == [request]
+    assert output.finished_requests == [request.request_id]
     assert seq.output_token_ids == [eos, eos, eos]
     assert check_invariants(h.sched) == []
 
@@ -307,7 +307,7 @@ def test_abort_a_waiting_request() -> None:
     assert len(h.sched.waiting) == 1
     assert h.sched.finished_counts["abort"] == 1
     h.check()
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert "r" not in plan.num_scheduled_tokens
     assert plan.freed_seq_ids == []  # never reached the worker
     del h.requests["r"]
@@ -345,11 +345,11 @@ def test_abort_while_the_step_is_in_flight() -> None:
     assert "r" in plan.num_scheduled_tokens
     assert h.sched.abort("r") is True
     result = h.worker.execute(plan)
-    outcome = h.sched.update(result)
-    assert all(seq.seq_id != "r" for seq in outcome.advanced)
+    output = h.sched.update(result)
+    assert all(seq_id != "r" for _, _, seq_id, _ in output.tokens)
     h.check()
     assert h.requests["r"].seqs[0].num_output_tokens == 1
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.freed_seq_ids == ["r"]
     del h.requests["r"]
     h.run()
@@ -394,9 +394,9 @@ def test_identical_prompts_admitted_together_share_blocks() -> None:
     prompt = h.model.prompt("p", 10)
     a = h.add("a", prompt, max_tokens=4)
     b = h.add("b", prompt, max_tokens=4)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 10, "b": 2}
-    assert h.sched.report.prefix_hit_tokens == {"a": 0, "b": 8}
+    assert h.last.prefix_hit_tokens == {"a": 0, "b": 8}
     a_table, b_table = a.seqs[0].block_table, b.seqs[0].block_table
     assert a_table[:2] == b_table[:2]
     assert a_table[2] != b_table[2]
@@ -417,9 +417,9 @@ def test_a_later_identical_prompt_hits_the_prefix_cache(length: int) -> None:
     h.add("a", prompt, max_tokens=3)
     h.run()
     h.add("c", prompt, max_tokens=3)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     expected = (length - 1) // BS * BS
-    assert h.sched.report.prefix_hit_tokens == {"c": expected}
+    assert h.last.prefix_hit_tokens == {"c": expected}
     assert plan.num_scheduled_tokens == {"c": length - expected}
     assert h.sched.kv.hit_tokens == expected
     h.run()
@@ -431,9 +431,9 @@ def test_no_prefix_hits_with_prefix_caching_disabled() -> None:
     prompt = h.model.prompt("p", 10)
     a = h.add("a", prompt, max_tokens=3)
     b = h.add("b", prompt, max_tokens=3)
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"a": 10, "b": 10}
-    assert h.sched.report.prefix_hit_tokens == {"a": 0, "b": 0}
+    assert h.last.prefix_hit_tokens == {"a": 0, "b": 0}
     assert not set(a.seqs[0].block_table) & set(b.seqs[0].block_table)
     h.run()
     h.assert_reference_outputs()
@@ -445,10 +445,11 @@ def test_no_prefix_hits_with_prefix_caching_disabled() -> None:
 def test_parallel_samples_share_the_prompt_and_copy_on_write() -> None:
     h = Harness()
     request = h.add("r", 6, max_tokens=5, n=3)
-    plan, result, outcome = h.step()
+    output = h.step()
+    plan = output.plan
     assert plan.num_scheduled_tokens == {"r/0": 6}
     assert plan.num_samples == {"r/0": 3}
-    assert len(result.sampled_token_ids["r/0"]) == 3
+    assert h.result is not None and len(h.result.sampled_token_ids["r/0"]) == 3
     assert [s.seq_id for s in request.seqs] == ["r/0", "r/1", "r/2"]
     assert [s.seq_id for s in h.sched.running] == ["r/0", "r/1", "r/2"]
     tables = [s.block_table for s in request.seqs]
@@ -456,10 +457,10 @@ def test_parallel_samples_share_the_prompt_and_copy_on_write() -> None:
     assert len(tables[0]) == 2
     ref_cnt = h.sched.kv.pool.ref_cnt
     assert [ref_cnt[b] for b in tables[0]] == [3, 3]
-    assert {s.seq_id for s in outcome.advanced} == {"r/0", "r/1", "r/2"}
+    assert {seq_id for _, _, seq_id, _ in output.tokens} == {"r/0", "r/1", "r/2"}
 
     shared_partial = tables[0][1]
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.num_scheduled_tokens == {"r/0": 1, "r/1": 1, "r/2": 1}
     assert len(plan.copies) == 2
     assert all(src == shared_partial for src, _ in plan.copies)
@@ -478,7 +479,7 @@ def test_parallel_samples_on_a_block_boundary_need_no_copies() -> None:
     h = Harness()
     h.add("r", 8, max_tokens=3, n=2)
     h.step()
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.copies == []
     h.run()
     h.assert_reference_outputs()
@@ -487,7 +488,7 @@ def test_parallel_samples_on_a_block_boundary_need_no_copies() -> None:
 def test_parallel_samples_with_a_chunked_prompt() -> None:
     h = Harness(max_num_batched_tokens=8)
     h.add("r", 18, max_tokens=4, n=2)
-    plans = [h.step()[0] for _ in range(3)]
+    plans = [h.step().plan for _ in range(3)]
     assert [p.num_samples for p in plans] == [{}, {}, {"r/0": 2}]
     h.run()
     h.assert_reference_outputs()
@@ -502,7 +503,7 @@ def test_abort_a_request_with_unforked_samples() -> None:
     assert request.num_unfinished == 0
     assert h.sched.requests == {}
     h.check()
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.freed_seq_ids == ["r/0"]
 
 
@@ -521,8 +522,8 @@ def test_forced_swap_swaps_out_and_back_in() -> None:
     preempted, swapped_in = [], []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
-        swapped_in += h.sched.report.swapped_in
+        preempted += h.last.preempted
+        swapped_in += h.last.swapped_in
     assert ("b", "swap") in preempted
     assert all(mode == "swap" for _, mode in preempted)
     assert "b" in swapped_in
@@ -540,10 +541,10 @@ def test_swap_out_plan_copies_the_victims_blocks() -> None:
     h, _, b = preemption_harness("swap")
     while True:
         table = list(b.seqs[0].block_table)
-        plan, _, _ = h.step()
-        if h.sched.report.preempted:
+        plan = h.step().plan
+        if h.last.preempted:
             break
-    assert h.sched.report.preempted == [("b", "swap")]
+    assert h.last.preempted == [("b", "swap")]
     assert [device for device, _ in plan.swap_out] == table
     assert [cpu for _, cpu in plan.swap_out] == b.seqs[0].cpu_block_table
     assert "b" in plan.freed_seq_ids
@@ -557,8 +558,8 @@ def test_forced_recompute_drops_and_rebuilds() -> None:
     preempted = []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
-        assert h.sched.report.swapped_in == []
+        preempted += h.last.preempted
+        assert h.last.swapped_in == []
     assert ("b", "recompute") in preempted
     assert h.sched.preemptions["swap"] == 0
     assert h.worker.swapped_blocks == 0
@@ -574,7 +575,7 @@ def test_swap_mode_falls_back_to_recompute_without_a_cpu_pool() -> None:
     preempted = []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
+        preempted += h.last.preempted
     assert preempted
     assert all(mode == "recompute" for _, mode in preempted)
     h.assert_reference_outputs()
@@ -587,7 +588,7 @@ def test_swapped_parallel_samples_end_correctly() -> None:
     preempted = []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
+        preempted += h.last.preempted
     assert preempted
     h.assert_reference_outputs()
 
@@ -602,8 +603,8 @@ def test_high_priority_arrival_preempts_a_running_low_priority_request() -> None
     assert low.seqs[0].status is SeqStatus.RUNNING
     assert h.sched.kv.pool.num_free == 1
     high = h.add("high", 8, max_tokens=4, priority=0)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == [("low", "recompute")]
+    plan = h.step().plan
+    assert h.last.preempted == [("low", "recompute")]
     assert "high" in plan.num_scheduled_tokens
     assert "low" not in plan.num_scheduled_tokens
     assert "low" in plan.freed_seq_ids
@@ -620,8 +621,8 @@ def test_fcfs_does_not_preempt_for_a_new_arrival() -> None:
     h.add("low", 20, max_tokens=4, priority=10)
     h.step()
     h.add("high", 8, max_tokens=4, priority=0)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == []
+    plan = h.step().plan
+    assert h.last.preempted == []
     assert plan.num_scheduled_tokens == {"low": 1}
     h.run()
     h.assert_reference_outputs()
@@ -632,8 +633,8 @@ def test_priority_does_not_preempt_a_better_ranked_request() -> None:
     h.add("high", 20, max_tokens=4, priority=0)
     h.step()
     h.add("low", 8, max_tokens=4, priority=10)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == []
+    plan = h.step().plan
+    assert h.last.preempted == []
     assert plan.num_scheduled_tokens == {"high": 1}
     h.run()
     h.assert_reference_outputs()
@@ -660,10 +661,14 @@ def test_snapshot_reflects_the_state() -> None:
 def test_parallel_samples_ending_on_their_first_token() -> None:
     h = Harness()
     request = h.add("r", 6, max_tokens=1, n=3)
-    _, _, outcome = h.step()
+    output = h.step()
     assert request.finished
-    assert outcome.finished_requests == [request]
-    assert {s.seq_id for s in outcome.finished} == {"r/0", "r/1", "r/2"}
+    assert output.finished_requests == ["r"]
+    assert {(rid, index) for rid, index, _ in output.finished_seqs} == {
+        ("r", 0),
+        ("r", 1),
+        ("r", 2),
+    }
     assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
     assert h.sched.running == []
     h.run()
@@ -679,7 +684,7 @@ def test_parallel_samples_that_cannot_all_fit_still_finish(mode: str) -> None:
     preempted = []
     while h.sched.has_work():
         h.step()
-        preempted += h.sched.report.preempted
+        preempted += h.last.preempted
     assert preempted
     h.assert_reference_outputs()
 
@@ -694,7 +699,7 @@ def test_finish_seq_ends_one_sample() -> None:
     assert request.seqs[1].finish_reason == FinishReason.STOP
     assert not request.finished
     h.check()
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.freed_seq_ids == ["r/1"]
     assert list(plan.num_scheduled_tokens) == ["r/0"]
     h.run()
@@ -756,7 +761,7 @@ def test_worker_lost_between_steps_requeues_for_recompute() -> None:
     assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
     assert h.sched.kv.pool.cached == {}
     h.check()
-    plan, _, _ = h.step()
+    plan = h.step().plan
     assert plan.freed_seq_ids == []
     assert {n.seq_id for n in plan.new_seqs} == {"a", "b"}
     h.run()
@@ -858,10 +863,9 @@ def light_client_waits(fair_share: bool) -> list[int]:
     light = [h.add(f"l{i}", 4, client="light", max_tokens=2, ignore_eos=True) for i in range(3)]
     waits: dict[str, int] = {}
     while len(waits) < len(light):
-        _, _, outcome = h.step()
-        for request in outcome.finished_requests:
-            if request.client == "light":
-                waits[request.request_id] = h.sched.step - submitted
+        for request_id in h.step().finished_requests:
+            if h.requests[request_id].client == "light":
+                waits[request_id] = h.sched.step - submitted
     for request in light:
         assert request.finish_reason == FinishReason.LENGTH
     return [waits[r.request_id] for r in light]
@@ -888,7 +892,7 @@ def test_fair_share_interleaves_clients_at_admission() -> None:
         h.add(f"b{index}", 4, client="b", max_tokens=1)
     admitted: list[str] = []
     while h.sched.has_work():
-        plan, _, _ = h.step()
+        plan = h.step().plan
         admitted += [seq.seq_id for seq in plan.new_seqs]
     assert admitted == ["a0", "b0", "a1", "b1", "a2"]
     h.assert_reference_outputs()
@@ -928,8 +932,8 @@ def test_fair_share_does_not_preempt_a_running_request_of_equal_priority() -> No
     h.step()
     assert len(h.sched.running) == 2  # every slot is taken
     light = h.add("l0", 4, client="light", max_tokens=2)
-    plan, _, _ = h.step()
-    assert h.sched.report.preempted == []
+    plan = h.step().plan
+    assert h.last.preempted == []
     assert "l0" not in plan.num_scheduled_tokens
     queued = [seq.seq_id for seq in h.sched.waiting]
     assert queued[0] == "l0"  # but it is first in line, ahead of the heavy backlog

@@ -3,46 +3,33 @@
 from __future__ import annotations
 
 import msgspec
+from support.harness import Harness
 
 from ipc.schema import SchedulerSnapshot, decode, encode
 from scheduler_svc.core.introspection import check_invariants, snapshot
-from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.step_engine import InlineExecutor, StepEngine
-from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
-CFG = SchedulerConfig(
-    block_size=4,
-    num_gpu_blocks=12,
-    num_cpu_blocks=16,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=64,
-    preemption_mode="swap",
-    watermark=0.0,
-    overlap_scheduling=False,  # step-exact: each test step is applied before the next
-)
 
-
-def make() -> tuple[Scheduler, FakeWorker]:
-    model = FakeModel()
-    sched = Scheduler(CFG, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1024)
-    worker = FakeWorker(model, block_size=4, num_gpu_blocks=12, num_cpu_blocks=16)
-    return sched, worker
-
-
-def step(sched: Scheduler, worker: FakeWorker) -> None:
-    StepEngine(sched, InlineExecutor(worker.execute), check_invariants=True).step()
+def make() -> Harness:
+    """A pool of 12 blocks of 4 that a few requests outgrow (swap preemption)."""
+    return Harness(
+        num_gpu_blocks=12,
+        num_cpu_blocks=16,
+        max_num_seqs=4,
+        max_model_len=64,
+        preemption_mode="swap",
+        kv_bytes_per_block=1024,
+    )
 
 
 def test_snapshot_reports_queues_blocks_and_requests() -> None:
-    sched, worker = make()
+    h = make()
+    sched = h.sched
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
     sched.add_request("a", list(range(3, 19)), greedy)  # 16 tokens: 4 blocks
     sched.add_request("b", list(range(3, 19)), greedy, priority=1)  # same prompt
     sched.add_request("c", list(range(40, 60)), greedy)
-    step(sched, worker)
+    h.step()
     snap = snapshot(sched)
     assert snap.num_running == 3 and snap.num_waiting == 0
     assert snap.gpu_blocks.total == 12
@@ -56,7 +43,7 @@ def test_snapshot_reports_queues_blocks_and_requests() -> None:
     used = 12 - snap.gpu_blocks.free
     assert used == 4 + 1 + 5
     for _ in range(8):
-        step(sched, worker)
+        h.step()
     snap = snapshot(sched)
     assert snap.preemptions["swap"] >= 1
     assert snap.num_swapped + snap.num_waiting >= 1
@@ -67,9 +54,10 @@ def test_snapshot_reports_queues_blocks_and_requests() -> None:
 
 
 def test_check_invariants_names_a_corrupted_refcount() -> None:
-    sched, worker = make()
+    h = make()
+    sched = h.sched
     sched.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4))
-    step(sched, worker)
+    h.step()
     block = sched.running[0].block_table[0]
     sched.kv.pool.ref_cnt[block] += 1
     problems = check_invariants(sched)
@@ -77,8 +65,9 @@ def test_check_invariants_names_a_corrupted_refcount() -> None:
 
 
 def test_check_invariants_names_a_sequence_in_two_queues() -> None:
-    sched, worker = make()
+    h = make()
+    sched = h.sched
     sched.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4))
-    step(sched, worker)
+    h.step()
     sched.waiting.push(sched.running[0])
     assert any("is in running and waiting" in p for p in check_invariants(sched))

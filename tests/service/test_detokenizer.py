@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from ipc.schema import Delta, DeltaBatch, Finished
+from ipc.schema import BatchPlan, Delta, DeltaBatch, Finished, NewSeq
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.outputs import ClientRequest, OutputProcessor, StepEvents
+from scheduler_svc.outputs import ClientRequest, OutputProcessor
 from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
 
@@ -19,6 +20,35 @@ TEXT = "héllo wörld ✓ 日本語 🎉 end"
 @pytest.fixture(scope="module")
 def tokenizer(model: Path) -> Tokenizer:
     return load_tokenizer(model)
+
+
+def step_output(
+    tokens: list[tuple[str, int, str, int]],
+    *,
+    scheduled: list[tuple[str, int]] | None = None,
+    num_scheduled_tokens: int = 0,
+    **fields: object,
+) -> StepOutput:
+    """A step's output as ``Scheduler.update`` makes it: ``scheduled`` lists the
+    (request id, prefix-hit tokens) of the requests its plan sent in full, and the plan
+    computes ``num_scheduled_tokens`` tokens."""
+    plan = BatchPlan(
+        step=0,
+        num_scheduled_tokens={"computed": num_scheduled_tokens} if num_scheduled_tokens else {},
+        new_seqs=[
+            NewSeq(
+                seq_id=rid,
+                request_id=rid,
+                sample_index=0,
+                token_ids=[1, 2, 3],
+                num_prompt_tokens=3,
+                num_computed_tokens=cached,
+                block_ids=[0],
+            )
+            for rid, cached in scheduled or []
+        ],
+    )
+    return StepOutput(plan, [], [], {}, tokens, **fields)  # type: ignore[arg-type]
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -119,8 +149,8 @@ def test_output_processor_streams_batched_deltas_then_finished(tokenizer: Tokeni
     for step, token in enumerate(tokens):
         finished = step == len(tokens) - 1
         proc.on_step(
-            StepEvents(
-                tokens=[("a", 0, "a", token), ("b", 0, "b", token)],
+            step_output(
+                [("a", 0, "a", token), ("b", 0, "b", token)],
                 finished_seqs=[("a", 0, "length")] if finished else [],
                 finished_requests=["a"] if finished else [],
                 time=1.0 + step,
@@ -165,17 +195,17 @@ def test_stop_reason_names_the_stop_token_and_queue_time_ends_at_planning(
     last = {"token": stop_token, "eos": 2, "strings": ids(tokenizer, "y")[0]}
     # Planned at 10.5 (the requests' queue time ends), the result processed at 12.0.
     proc.on_step(
-        StepEvents(
-            tokens=[(rid, 0, rid, ids(tokenizer, "a")[0]) for rid in last],
-            scheduled_requests=[(rid, 0) for rid in last],
+        step_output(
+            [(rid, 0, rid, ids(tokenizer, "a")[0]) for rid in last],
+            scheduled=[(rid, 0) for rid in last],
             num_scheduled_tokens=9,
             planned_at=10.5,
             time=12.0,
         )
     )
     proc.on_step(
-        StepEvents(
-            tokens=[(rid, 0, rid, token) for rid, token in last.items()],
+        step_output(
+            [(rid, 0, rid, token) for rid, token in last.items()],
             finished_seqs=[("token", 0, "stop"), ("eos", 0, "stop")],
             finished_requests=["token", "eos"],
             num_scheduled_tokens=3,
@@ -184,7 +214,7 @@ def test_stop_reason_names_the_stop_token_and_queue_time_ends_at_planning(
         )
     )
     # "ay" holds no stop string yet; "z" makes "ayz", which holds "yz" (listed second).
-    proc.on_step(StepEvents(tokens=[("strings", 0, "strings", ids(tokenizer, "z")[0])], time=14.0))
+    proc.on_step(step_output([("strings", 0, "strings", ids(tokenizer, "z")[0])], time=14.0))
     proc.finish("strings")
     finished = {m.request_id: m for m in sent if isinstance(m, Finished)}
     assert finished["token"].completion.samples[0].stop_reason == stop_token

@@ -25,8 +25,9 @@ from ipc.schema import (
     server_decoder,
 )
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.frontend import INLINE_TOKENIZE_CHARS, Frontend
-from scheduler_svc.outputs import RequestEnded, StepEvents
+from scheduler_svc.outputs import RequestEnded
 from scheduler_svc.workers import WorkerRegistry
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
@@ -63,7 +64,7 @@ class Bench:
     frontend: Frontend
     client: zmq.asyncio.Socket
     tokenizer: GatedTokenizer
-    events: asyncio.Queue[StepEvents | RequestEnded]
+    events: asyncio.Queue[StepOutput | RequestEnded]
 
     async def send(self, message: ClientMessage) -> None:
         await self.client.send(encode(message))
@@ -80,7 +81,7 @@ async def running_frontend() -> AsyncIterator[Bench]:
     client = ctx.socket(zmq.DEALER)
     client.connect("inproc://frontend")
     config = SchedulerConfig(num_gpu_blocks=64, max_model_len=64)
-    events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
+    events: asyncio.Queue[StepOutput | RequestEnded] = asyncio.Queue()
     frontend = Frontend(
         router,
         ServerConfig(),

@@ -13,8 +13,9 @@ import zmq
 import zmq.asyncio
 
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.frontend import Frontend
-from scheduler_svc.outputs import RequestEnded, StepEvents
+from scheduler_svc.outputs import RequestEnded
 from scheduler_svc.workers import WorkerRegistry
 from shared.config import SchedulerConfig
 from shared.server_config import ServerConfig
@@ -52,7 +53,7 @@ async def running_frontend(
     router.setsockopt(zmq.SNDHWM, sndhwm)  # before bind: pipes take it when created
     router.bind(address)
     config = config or SchedulerConfig(num_gpu_blocks=64, max_model_len=64)
-    events: asyncio.Queue[StepEvents | RequestEnded] = asyncio.Queue()
+    events: asyncio.Queue[StepOutput | RequestEnded] = asyncio.Queue()
     frontend = Frontend(
         router,
         server or ServerConfig(),

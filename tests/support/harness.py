@@ -1,4 +1,11 @@
-"""Shared by several test modules (from test_scheduler_unit.py)."""
+"""The scheduler harness of the core tests: the real core and step engine driving a fake
+worker that checks every plan and every K/V slot it reads, the invariants asserted after
+every planning and update.
+
+Step-exact by default (each step's result is applied before the next plan);
+``overlap_scheduling=True`` plans ahead as the daemon does. Tests that watch or lose
+steps build their own :class:`StepEngine` on ``h.sched`` and ``h.worker``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.introspection import check_invariants
 from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.step_records import UpdateOutcome
+from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
@@ -18,7 +25,15 @@ BS = 4
 
 
 class Harness:
-    def __init__(self, eos_at: dict[str, int] | None = None, **config: object) -> None:
+    def __init__(
+        self,
+        eos_at: dict[str, int] | None = None,
+        *,
+        kv_bytes_per_block: int = 1 << 20,
+        **config: object,
+    ) -> None:
+        """``config``: SchedulerConfig fields over the defaults below; ``eos_at``: the
+        fake model's EOS positions (request id -> 1-based output index)."""
         defaults: dict[str, object] = {
             "block_size": BS,
             "num_gpu_blocks": 64,
@@ -28,14 +43,16 @@ class Harness:
             "max_model_len": 128,
             "watermark": 0.0,
             # Step-exact scenarios: each step's result is applied before the next plan
-            # (tests/test_overlap.py covers planning ahead).
+            # (tests/core/test_overlap.py covers planning ahead).
             "overlap_scheduling": False,
         }
         defaults.update(config)
         self.cfg = SchedulerConfig(**defaults)  # type: ignore[arg-type]
         self.model = FakeModel(eos_at=eos_at)
         self.sched = Scheduler(
-            self.cfg, eos_token_ids=[self.model.eos_token_id], kv_bytes_per_block=1 << 20
+            self.cfg,
+            eos_token_ids=[self.model.eos_token_id],
+            kv_bytes_per_block=kv_bytes_per_block,
         )
         self.worker = FakeWorker(
             self.model,
@@ -44,13 +61,17 @@ class Harness:
             num_cpu_blocks=self.cfg.num_cpu_blocks,
             verify_kv=True,
         )
-        self.engine = StepEngine(
-            self.sched,
-            InlineExecutor(lambda plan: self.worker.execute(plan)),
-            check_invariants=True,
-        )
+        self.engine = StepEngine(self.sched, InlineExecutor(self._execute), check_invariants=True)
         self.plans: list[BatchPlan] = []
+        """Every plan :meth:`step` ran, in order."""
+        self.result: StepResult | None = None
+        """The fake worker's latest result."""
+        self._last: StepOutput | None = None
         self.requests: dict[str, Request] = {}
+
+    def _execute(self, plan: BatchPlan) -> StepResult:
+        self.result = self.worker.execute(plan)  # the current worker (restart_worker)
+        return self.result
 
     def add(
         self,
@@ -80,12 +101,20 @@ class Harness:
             assert len(plan.num_scheduled_tokens) <= self.cfg.max_num_seqs
             assert sum(s.slots_needed for s in self.sched.running) <= self.cfg.max_num_seqs
 
-    def step(self) -> tuple[BatchPlan, StepResult, UpdateOutcome]:
-        record = self.engine.step()  # checks the invariants after planning and updating
-        self.plans.append(record.plan)
-        self.check(record.plan)
-        assert record.result is not None
-        return record.plan, record.result, record.outcome
+    def step(self) -> StepOutput:
+        """One engine step (the invariants checked after planning and updating); its
+        output (its plan is ``.plan``, the worker's result :attr:`result`)."""
+        output = self._last = self.engine.step()
+        self.plans.append(output.plan)
+        self.check(output.plan)
+        assert not output.lost
+        return output
+
+    @property
+    def last(self) -> StepOutput:
+        """The output of the latest :meth:`step`."""
+        assert self._last is not None, "no step yet"
+        return self._last
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
@@ -130,35 +159,3 @@ def restart_worker(h: Harness) -> None:
         verify_kv=True,
     )
     h.worker.cpu_kv = cpu_kv
-
-
-def make(
-    model: FakeModel | None = None, *, overlap: bool = True, **config: object
-) -> tuple[Scheduler, FakeWorker, FakeModel]:
-    fields: dict[str, object] = {
-        "block_size": BS,
-        "num_gpu_blocks": 64,
-        "num_cpu_blocks": 32,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "max_model_len": 128,
-        "watermark": 0.0,
-        "overlap_scheduling": overlap,
-    }
-    fields.update(config)
-    cfg = SchedulerConfig(**fields)  # type: ignore[arg-type]
-    model = model or FakeModel()
-    sched = Scheduler(cfg, eos_token_ids=[model.eos_token_id], kv_bytes_per_block=1 << 20)
-    worker = FakeWorker(
-        model, block_size=BS, num_gpu_blocks=cfg.num_gpu_blocks or 0, num_cpu_blocks=32
-    )
-    return sched, worker, model
-
-
-def add(sched: Scheduler, model: FakeModel, request_id: str, length: int, **params: object):
-    params.setdefault("temperature", 0.0)
-    return sched.add_request(
-        request_id,
-        model.prompt(request_id, length),
-        SamplingParams(**params),  # type: ignore[arg-type]
-    )

@@ -91,7 +91,7 @@ def test_stop_string_ends_generation_at_its_first_occurrence(make_llm) -> None:
     assert len(stopped.token_ids) < len(full.token_ids)
     # A stop string ends the sample after the next step was planned: generate() still
     # applies that step, so nothing is left in flight or on the runner.
-    assert not llm.engine.pending and not llm.scheduler.inflight
+    assert not llm.scheduler.inflight and not llm.engine.futures()
     assert llm.runner.state.seqs == {}
 
 
