@@ -56,17 +56,9 @@ def post(
     )
 
 
-def post_json(
-    url: str,
-    path: str,
-    body: object,
-    headers: dict[str, str] | None = None,
-    *,
-    timeout: float,
-    source: str | None = None,
-) -> tuple[int, Any]:
-    """(status, the reply's JSON) of :func:`post`."""
-    status, _, payload = post(url, path, body, headers, timeout=timeout, source=source)
+def post_json(*args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """(status, the reply's JSON) of :func:`post` (which takes the same arguments)."""
+    status, _, payload = post(*args, **kwargs)
     return status, json.loads(payload)
 
 
