@@ -74,9 +74,9 @@ class Scheduler(SequenceEnding):
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
+        """Token ids that end a sequence unless ignore_eos (a model may list several)."""
         self.vocab_size = vocab_size
         """Prompt token ids must be below it (the model's embedding rows); None = unchecked."""
-        """Token ids that end a sequence unless ignore_eos (a model may list several)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(
