@@ -43,6 +43,7 @@ from gpu_worker.group import join_group
 from gpu_worker.model_runner import ModelRunner, resolve_device, use_device
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tiny_model import make_tiny_model
+from shared.worker_settings import WorkerSettings
 
 PROMPT = [1, *range(40, 63)]  # BOS + 23 byte tokens
 NEW_TOKENS = 8
@@ -122,14 +123,13 @@ def rank_main(
         use_device(device)
         group = join_group(rank, size, "127.0.0.1", port, device) if size > 1 else None
         started = time.perf_counter()
-        runner = ModelRunner(
-            model_dir,
-            device=device,
+        settings = WorkerSettings.of(
+            model=str(model_dir),
             block_size=block_size,
             max_num_batched_tokens=max(len(PROMPT), 256),
             num_gpu_blocks=num_blocks,
-            group=group,
         )
+        runner = ModelRunner(settings, device=device, group=group)
         built = time.perf_counter()
         params, storage = weight_bytes(runner.model)
         kv = runner.kv_cache.kv

@@ -22,32 +22,50 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
-from transformers import AutoTokenizer
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
-from gpu_worker.tiny_model import default_model_dir
 from ipc.schema import Finished, ServerMessage
 from scheduler_svc.core.request import RejectedError, Request
-from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
+from scheduler_svc.engine_builder import build_engine
 from scheduler_svc.outputs import ClientRequest, OutputProcessor
-from scheduler_svc.step_engine import InlineExecutor, StepEngine
+from scheduler_svc.step_engine import InlineExecutor
 from shared.config import SchedulerConfig
 from shared.errors import ConfigError
 from shared.outputs import Completion
 from shared.sampling import SamplingParams
+from shared.server_config import ModelConfig
 from shared.swap_pool import SwapPoolSegment
-
-DEFAULT_CPU_BLOCKS = 1024
-"""Device blocks on a machine without CUDA when num_gpu_blocks is not given."""
+from shared.tokenizer import load_tokenizer
+from shared.worker_settings import WorkerSettings
 
 Prompt = str | list[int]
 
+ENGINE_SERVER_FIELDS = ("gpu_memory_utilization", "cuda_graphs", "model_impl")
+"""The ``[server]`` fields ``LLM`` takes as keywords (the others are about daemons,
+sockets and tensor-parallel groups, which an in-process engine has none of)."""
+
+
+def engine_settings(
+    model: str | Path | None = None, **config: Any
+) -> tuple[SchedulerConfig, WorkerSettings]:
+    """The scheduler configuration and the worker settings ``LLM(model, **config)`` runs
+    by: ``config`` names fields of :class:`SchedulerConfig` and of
+    :data:`ENGINE_SERVER_FIELDS`; every other field keeps its declared default, as it
+    does for the daemon."""
+    server = {name: config.pop(name) for name in ENGINE_SERVER_FIELDS if name in config}
+    try:
+        scheduler = SchedulerConfig(**config)
+    except TypeError as exc:
+        raise ConfigError(f"unknown engine keyword: {exc}") from None
+    checkpoint = ModelConfig(model=str(model) if model is not None else "", **server)
+    return scheduler, WorkerSettings(server=checkpoint, scheduler=scheduler)
+
 
 class LLM:
-    """``LLM(model=DIR, **scheduler_config)``; config keywords are SchedulerConfig fields."""
+    """``LLM(model=DIR, **config)``; config keywords are SchedulerConfig fields and
+    :data:`ENGINE_SERVER_FIELDS` (see :func:`engine_settings`)."""
 
     def __init__(
         self,
@@ -55,64 +73,36 @@ class LLM:
         *,
         device: str = "auto",
         dtype: torch.dtype | None = None,
-        gpu_memory_utilization: float = 0.9,
-        cuda_graphs: bool = True,
-        model_impl: str = "auto",
-        **scheduler_config: Any,
+        **config: Any,
     ) -> None:
-        self.model_dir = Path(model) if model is not None else default_model_dir()
-        try:
-            config = SchedulerConfig(**scheduler_config)
-        except TypeError as exc:
-            raise ConfigError(f"unknown engine keyword: {exc}") from None
+        scheduler_config, settings = engine_settings(model, **config)
         self.device = resolve_device(device)
-        if config.num_gpu_blocks is None and self.device.type != "cuda":
-            config = msgspec.structs.replace(config, num_gpu_blocks=DEFAULT_CPU_BLOCKS)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(
-            self.model_dir,
-            device=self.device,
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_gpu_blocks=config.num_gpu_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            cuda_graphs=cuda_graphs,
-            model_impl=model_impl,
-            dtype=dtype,
+        self.runner = ModelRunner(settings, device=self.device, dtype=dtype)
+        self.model_dir = self.runner.model_dir
+        self.tokenizer = load_tokenizer(self.model_dir)
+        # The daemon's start-up, with this runner's hello: the config sized by it, the
+        # swap pool and the engine. The runner is looked up at every step, so a test may
+        # wrap runner.execute.
+        built = build_engine(
+            scheduler_config,
+            self.runner.hello(),
+            InlineExecutor(lambda plan: self.runner.execute(plan)),
         )
-        self.swap_pool: SwapPoolSegment | None = None
-        if config.num_cpu_blocks:
-            self.swap_pool = SwapPoolSegment.create(
-                config.num_cpu_blocks, self.runner.layout.bytes_per_block
-            )
+        self.config, self.scheduler, self.engine = built.config, built.core, built.engine
+        self.swap_pool: SwapPoolSegment | None = built.swap_pool
+        if self.swap_pool is not None:
             self.runner.kv_cache.attach_swap_pool(self.swap_pool)
         # Released by close(), or when this engine is garbage-collected without it (the
         # segment is never left to Python's resource tracker and its exit-time warning).
         self._release = weakref.finalize(self, _release_swap_pool, self.runner, self.swap_pool)
-        max_len = min(config.max_model_len, self.runner.config.max_position_embeddings)
-        self.config = msgspec.structs.replace(
-            config, num_gpu_blocks=self.runner.num_gpu_blocks, max_model_len=max_len
-        )
-        self.scheduler = Scheduler(
-            self.config,
-            eos_token_ids=self.runner.eos_token_ids,
-            kv_bytes_per_block=self.runner.layout.bytes_per_block,
-            vocab_size=self.runner.vocab_size,
-        )
-        # The runner is looked up at every step, so a test may wrap runner.execute.
-        self.engine = StepEngine(self.scheduler, InlineExecutor(lambda p: self.runner.execute(p)))
-        self.outputs = OutputProcessor(
-            self.tokenizer.backend_tokenizer, self._collect, self.engine.stop_seq
-        )
+        self.outputs = OutputProcessor(self.tokenizer, self._collect, self.engine.stop_seq)
         self.finished: dict[str, Completion] = {}
         """Completions of requests queued with :meth:`add_request`, until taken."""
         self._next_id = 0
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
         return list(prompt)
 
     def generate(

@@ -247,37 +247,21 @@ class WorkerDaemon:
         return future
 
     def _setup(self, setup: WorkerSetup) -> WorkerHello:
-        model_dir = setup.model
-        if not model_dir:
-            from gpu_worker.tiny_model import default_model_dir
-
-            model_dir = str(default_model_dir())
+        settings = setup.settings
         # This is the step thread (every step runs here): its current CUDA device must be
         # the worker's, or Triton launches on device 0.
         use_device(self.device)
-        self.group_size = setup.tensor_parallel_size
+        self.group_size = settings.server.tensor_parallel_size
         group = None
         if self.group_size > 1:
             group = join_group(
                 self.rank,
                 self.group_size,
-                setup.dist_master_addr,
-                setup.dist_master_port,
+                settings.server.dist_master_addr,
+                settings.server.dist_master_port,
                 self.device,
             )
-        self.runner = ModelRunner(
-            model_dir,
-            device=self.device,
-            block_size=setup.block_size,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            num_gpu_blocks=setup.num_gpu_blocks or (None if self.device.type == "cuda" else 1024),
-            gpu_memory_utilization=setup.gpu_memory_utilization,
-            max_num_seqs=setup.max_num_seqs,
-            max_model_len=setup.max_model_len,
-            cuda_graphs=setup.cuda_graphs,
-            model_impl=setup.model_impl,
-            group=group,
-        )
+        self.runner = ModelRunner(settings, device=self.device, group=group)
         log.info("rank %d: forward: %s", self.rank, self.runner.model_impl_note)
         if setup.swap_pool:
             self._attach(setup.swap_pool)
@@ -293,18 +277,7 @@ class WorkerDaemon:
             from gpu_worker.threads import choose_cpu_threads
 
             choose_cpu_threads(self.runner, self.cpu_threads)
-        return WorkerHello(
-            rank=self.rank,
-            pid=os.getpid(),
-            device=str(self.device),
-            num_gpu_blocks=self.runner.num_gpu_blocks,
-            kv_bytes_per_block=self.runner.layout.bytes_per_block * self.group_size,
-            tensor_parallel_size=self.group_size,
-            block_size=setup.block_size,
-            model=os.path.abspath(model_dir),
-            eos_token_ids=self.runner.eos_token_ids,
-            vocab_size=self.runner.vocab_size,
-        )
+        return self.runner.hello(self.rank)
 
     def _attach(self, name: str) -> None:
         assert self.runner is not None

@@ -10,6 +10,7 @@ the LM head over each sampled sequence's last position only and the sampler.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +33,17 @@ from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
+from gpu_worker.tiny_model import default_model_dir
 from ipc.plan_state import ScheduledSeq, WorkerState
-from ipc.schema import BatchPlan, StepResult, StepTiming
+from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
+from shared.checkpoint import capped_max_len
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
+from shared.worker_settings import WorkerSettings
 
-MODEL_IMPLS = ("auto", "transformers")
-"""``model_impl`` values: ``auto`` the lean forward where one applies, ``transformers``
-transformers' own model code."""
+DEFAULT_CPU_BLOCKS = 1024
+"""KV blocks of a worker off CUDA when the settings give no ``num_gpu_blocks`` (a CUDA
+worker sizes its cache from ``gpu_memory_utilization``)."""
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -73,34 +77,33 @@ def use_device(device: torch.device) -> None:
 class ModelRunner:
     def __init__(
         self,
-        model_dir: str | Path,
+        settings: WorkerSettings,
         *,
         device: torch.device,
-        block_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int = 256,
-        num_gpu_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        cuda_graphs: bool = False,
-        model_impl: str = "auto",
         dtype: torch.dtype | None = None,
         swap_pool: SwapPoolSegment | None = None,
         group: ProcessGroup | None = None,
     ) -> None:
-        """``group``: this rank's tensor-parallel group; the model is then sharded over
-        it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads.
-        ``cuda_graphs``: capture decode-only steps (:mod:`gpu_worker.cuda_graphs`) for
-        up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (default: the
-        checkpoint's ``max_position_embeddings``); CUDA only, ignored elsewhere.
+        """Load ``settings.server.model`` (empty: the embedded tiny model) and size the
+        cache and buffers by ``settings`` (:class:`~shared.worker_settings.WorkerSettings`,
+        taken whole), on ``device`` with ``dtype`` (default: bfloat16 on CUDA, float32
+        elsewhere). ``group``: this rank's tensor-parallel group; the model is then
+        sharded over it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this
+        rank's KV heads. ``cuda_graphs``: capture decode-only steps
+        (:mod:`gpu_worker.cuda_graphs`) for up to ``max_num_seqs`` sequences of up to
+        ``max_model_len`` tokens (capped by the checkpoint's limit); CUDA only, ignored
+        elsewhere. ``num_gpu_blocks`` unset: sized from ``gpu_memory_utilization`` on
+        CUDA, :data:`DEFAULT_CPU_BLOCKS` elsewhere.
         ``model_impl``: ``auto`` runs the checkpoint through
         :class:`~gpu_worker.lean_model.LeanDecoder` where its model type has one (on any
         device, sharded or not), else through transformers' model code; ``transformers``
         always through transformers' model code."""
-        if model_impl not in MODEL_IMPLS:
-            raise ValueError(
-                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}"
-            )
+        self.settings = settings
+        limits, model_impl = settings.scheduler, settings.server.model_impl
+        model_dir = Path(settings.server.model) if settings.server.model else default_model_dir()
+        self.model_dir = model_dir
+        """The checkpoint directory loaded."""
+        block_size = limits.block_size
         self.device = device
         self.block_size = block_size
         config = AutoConfig.from_pretrained(model_dir)
@@ -152,11 +155,14 @@ class ModelRunner:
             block_size=block_size,
             dtype=self.dtype,
         )
-        if num_gpu_blocks is None:
-            if device.type != "cuda":
-                raise ValueError("num_gpu_blocks must be given when the device is not CUDA")
+        num_gpu_blocks = limits.num_gpu_blocks
+        if num_gpu_blocks is None and device.type != "cuda":
+            num_gpu_blocks = DEFAULT_CPU_BLOCKS
+        elif num_gpu_blocks is None:
             num_gpu_blocks = self._profile_num_blocks(
-                max_num_batched_tokens, max_num_seqs, gpu_memory_utilization
+                limits.max_num_batched_tokens,
+                limits.max_num_seqs,
+                settings.server.gpu_memory_utilization,
             )
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
         # Every attention configuration the model uses compiled now, not at the first
@@ -169,14 +175,12 @@ class ModelRunner:
             device=device,
             layer_kinds=[(None, cap), *([(window, cap)] if window else [])],
         )
-        if cuda_graphs and device.type == "cuda":
-            max_len = min(
-                max_model_len or config.max_position_embeddings, config.max_position_embeddings
-            )
+        if settings.server.cuda_graphs and device.type == "cuda":
+            max_len = capped_max_len(limits.max_model_len, model_dir)
             self.graphs = DecodeGraphs(
                 lambda tensors, schedule: self._run_model(tensors, self.kv_cache, None, schedule),
                 lambda arrays: self.plan_attention(arrays, num_sms=0),
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=limits.max_num_seqs,
                 width=-(-max_len // block_size),
                 device=device,
                 staging=self.staging,
@@ -197,6 +201,23 @@ class ModelRunner:
     @property
     def num_gpu_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def hello(self, rank: int = 0) -> WorkerHello:
+        """What this runner tells the scheduler about itself: the worker daemon sends it,
+        ``LLM`` builds its engine from it. ``kv_bytes_per_block`` is the whole group's."""
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        return WorkerHello(
+            rank=rank,
+            pid=os.getpid(),
+            device=str(self.device),
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_bytes_per_block=self.layout.bytes_per_block * world,
+            tensor_parallel_size=world,
+            block_size=self.block_size,
+            model=os.path.abspath(self.model_dir),
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+        )
 
     def _profile_num_blocks(self, max_tokens: int, max_num_seqs: int, utilization: float) -> int:
         """Blocks that fit beside everything else the worker will hold at its busiest

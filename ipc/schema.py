@@ -30,6 +30,7 @@ import msgspec
 
 from shared.outputs import Completion, FinishReason
 from shared.sampling import SamplingParams
+from shared.worker_settings import WorkerSettings
 
 __all__ = [
     "Abort",
@@ -323,30 +324,11 @@ class WorkerJoin(msgspec.Struct, frozen=True, kw_only=True, tag="join", tag_fiel
 class WorkerSetup(msgspec.Struct, frozen=True, kw_only=True, tag="setup", tag_field="type"):
     """What the worker must load and how large its cache is; it answers WorkerHello."""
 
-    model: str
-    block_size: int
-    max_num_batched_tokens: int
-    num_gpu_blocks: int | None = None
-    """None: size the cache from gpu_memory_utilization (CUDA)."""
-    gpu_memory_utilization: float = 0.9
+    settings: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    """Passed whole to the model runner; ``scheduler.num_gpu_blocks`` None sizes the
+    cache from ``server.gpu_memory_utilization`` (CUDA)."""
     swap_pool: str | None = None
     """Name of the shared-memory swap pool, once it exists."""
-    tensor_parallel_size: int = 1
-    """Ranks holding one copy of the model together (1: each rank a whole replica)."""
-    max_num_seqs: int = 256
-    """Most sequences in one step: the sampler's rows in the memory profile, the
-    largest CUDA-graph bucket."""
-    max_model_len: int | None = None
-    """Longest sequence (None: the checkpoint's limit): the CUDA graphs' block-table
-    width."""
-    cuda_graphs: bool = True
-    """Capture decode-only steps as CUDA graphs (CUDA only)."""
-    model_impl: str = "auto"
-    """The forward: ``auto`` (the lean one on a CPU worker where it applies) or
-    ``transformers``."""
-    dist_master_addr: str = ""
-    dist_master_port: int = 0
-    """The group's rendezvous (rank 0 listens there), when tensor_parallel_size > 1."""
 
 
 class AttachSwapPool(

@@ -1,8 +1,9 @@
 """The scheduler daemon: the core behind a ZeroMQ frontend, driving worker processes.
 
 Tasks on one (uv)loop:
-- frontend: client frames in (Generate, Abort, Inspect, Health, Ping), replies out,
-  run by :class:`~scheduler_svc.frontend.Frontend`, which also owns the requests;
+- frontend: client frames in (Generate, Abort, Inspect, Health, Metrics, Ping),
+  replies out, run by :class:`~scheduler_svc.frontend.Frontend`, which also owns the
+  requests;
 - backend: the workers' socket, run by :class:`RemoteExecutor` (joins, hellos,
   heartbeats, results, losses), with this daemon as its host;
 - step loop: :meth:`StepEngine.step_async` (schedule -> the executor fans the plan
@@ -11,12 +12,16 @@ Tasks on one (uv)loop:
 - outputs: detokenize, stop strings, Delta / Finished, while the next step runs;
   each step's parts and its outputs' time go to one :class:`StepTimer` (inspect);
 - housekeeping: lost workers, silent clients, the systemd watchdog.
+
+The core, the swap pool and the step engine are built when the first worker says hello
+(:func:`~scheduler_svc.engine_builder.build_engine`, as ``LLM`` builds them), and every
+worker is set up with the same :class:`~shared.worker_settings.WorkerSettings`, the
+worker half of the ``[server]`` and ``[scheduler]`` tables.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -34,7 +39,7 @@ from scheduler_svc import sdnotify
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
-from scheduler_svc.detokenizer import load_tokenizer
+from scheduler_svc.engine_builder import build_engine
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.launch import free_port
 from scheduler_svc.outputs import RequestEnded
@@ -46,17 +51,10 @@ from shared.config import SchedulerConfig
 from shared.errors import ConfigError
 from shared.server_config import SUPERVISED_ENV, ServerConfig
 from shared.swap_pool import SwapPoolSegment, remove_stale_segments
+from shared.tokenizer import load_tokenizer
+from shared.worker_settings import WorkerSettings
 
 log = logging.getLogger("expeditor.scheduler")
-
-
-def _model_max_len(model_dir: str) -> int | None:
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) else None
 
 
 class SchedulerDaemon:
@@ -247,21 +245,13 @@ class SchedulerDaemon:
     # -- workers (the executor's host) ---------------------------------------------------
 
     def worker_setup(self) -> WorkerSetup:
-        blocks = self.core.config.num_gpu_blocks if self.core else self.config.num_gpu_blocks
+        """The [server] and [scheduler] settings every worker runs by: the core's once it
+        exists (its cache size is the first worker's), with the group's rendezvous port."""
+        config = self.core.config if self.core is not None else self.config
+        server = msgspec.structs.replace(self.server, dist_master_port=self.dist_port)
         return WorkerSetup(
-            model=self.server.model,
-            block_size=self.config.block_size,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            num_gpu_blocks=blocks,
-            gpu_memory_utilization=self.server.gpu_memory_utilization,
+            settings=WorkerSettings(server=server, scheduler=config),
             swap_pool=self.swap_pool.name if self.swap_pool else None,
-            tensor_parallel_size=self.server.tensor_parallel_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.config.max_model_len,
-            cuda_graphs=self.server.cuda_graphs,
-            model_impl=self.server.model_impl,
-            dist_master_addr=self.server.dist_master_addr,
-            dist_master_port=self.dist_port,
         )
 
     def accept_hello(self, handle: WorkerHandle, hello: WorkerHello) -> str | None:
@@ -296,21 +286,8 @@ class SchedulerDaemon:
         return self.engine.futures() if self.engine is not None else []
 
     def _create_core(self, hello: WorkerHello) -> None:
-        max_len = _model_max_len(hello.model) or self.config.max_model_len
-        config = msgspec.structs.replace(
-            self.config,
-            num_gpu_blocks=hello.num_gpu_blocks,
-            max_model_len=min(self.config.max_model_len, max_len),
-        )
-        if config.num_cpu_blocks:
-            self.swap_pool = SwapPoolSegment.create(config.num_cpu_blocks, hello.kv_bytes_per_block)
-        self.core = Scheduler(
-            config,
-            eos_token_ids=hello.eos_token_ids,
-            kv_bytes_per_block=hello.kv_bytes_per_block,
-            vocab_size=hello.vocab_size or None,
-        )
-        self.engine = StepEngine(self.core, self.executor, times=self.step_times)
+        built = build_engine(self.config, hello, self.executor, times=self.step_times)
+        self.core, self.engine, self.swap_pool = built.core, built.engine, built.swap_pool
         self.frontend.attach(self.core, hello.model, load_tokenizer(hello.model))
 
     # -- the step loop -------------------------------------------------------------------

@@ -1,21 +1,12 @@
-"""Text for the scheduler daemon: prompt encoding and incremental detokenization.
+"""Incremental detokenization for the scheduler daemon and ``LLM``.
 
-Uses the ``tokenizers`` library on the checkpoint's ``tokenizer.json`` directly, so the
-scheduler process never imports torch or transformers.
+On a ``tokenizers`` tokenizer (:func:`shared.tokenizer.load_tokenizer`, the checkpoint's
+``tokenizer.json``), so the scheduler process never imports torch or transformers.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Tokenizer
-
-
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the scheduler needs a fast tokenizer file")
-    return Tokenizer.from_file(str(path))
 
 
 class IncrementalDetokenizer:

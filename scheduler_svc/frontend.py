@@ -58,6 +58,7 @@ from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded
 from scheduler_svc.reply_outbox import ReplyOutbox
 from shared.memory import malloc_trim
+from shared.tokenizer import INLINE_TOKENIZE_CHARS
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -69,10 +70,6 @@ if TYPE_CHECKING:
     from shared.server_config import ServerConfig
 
 log = logging.getLogger("expeditor.scheduler")
-
-INLINE_TOKENIZE_CHARS = 16_384
-"""Text prompts up to this many characters are tokenized on the event loop (fast); longer
-ones on a thread, so a big prompt never delays other clients' steps."""
 
 
 def _describe(exc: BaseException) -> str:

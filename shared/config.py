@@ -31,6 +31,7 @@ __all__ = [
     "FIELD_HELP",
     "SCHEDULER_FIELDS",
     "SchedulerConfig",
+    "StepLimits",
     "config_to_toml",
     "env_var_name",
     "flag_name",
@@ -43,13 +44,11 @@ QueuePolicy = Literal["fcfs", "priority"]
 _POWER_OF_TWO = Check(lambda n: n & (n - 1) == 0, "a power of two between 1 and 256")
 
 
-class SchedulerConfig(Settings, frozen=True):
-    """Knobs of the scheduler daemon, one line of help on each.
-
-    Direct construction validates too: a wrong type or out-of-range value raises
-    :class:`ConfigError` naming the field. Integer values given for float fields are
-    stored as floats.
-    """
+class StepLimits(Settings, frozen=True):
+    """The ``[scheduler]`` fields the workers are set up with too: the shape of a step
+    and of the KV cache, which a worker sizes its cache, buffers and CUDA graphs by.
+    :class:`SchedulerConfig` inherits them; a worker gets them inside
+    :class:`shared.worker_settings.WorkerSettings`."""
 
     TABLE: ClassVar[str] = "scheduler"
 
@@ -67,10 +66,6 @@ class SchedulerConfig(Settings, frozen=True):
         ]
         | None
     ) = None
-    num_cpu_blocks: Annotated[
-        int,
-        Meta(ge=0, description="Blocks in the CPU swap pool (pinned shared memory); 0 = no swap."),
-    ] = 0
     max_num_seqs: Annotated[int, Meta(ge=1, description="Most requests running in one step.")] = 256
     max_num_batched_tokens: Annotated[
         int,
@@ -80,6 +75,21 @@ class SchedulerConfig(Settings, frozen=True):
         int,
         Meta(ge=2, description="Longest context (prompt + generated tokens) a request may reach."),
     ] = 4096
+
+
+class SchedulerConfig(StepLimits, frozen=True):
+    """Knobs of the scheduler daemon, one line of help on each (the first ones, which
+    the workers need too, declared in :class:`StepLimits`).
+
+    Direct construction validates too: a wrong type or out-of-range value raises
+    :class:`ConfigError` naming the field. Integer values given for float fields are
+    stored as floats.
+    """
+
+    num_cpu_blocks: Annotated[
+        int,
+        Meta(ge=0, description="Blocks in the CPU swap pool (pinned shared memory); 0 = no swap."),
+    ] = 0
     long_prefill_token_threshold: Annotated[
         int, Meta(ge=0, description="Cap on one request's prefill chunk per step; 0 = off.")
     ] = 0

@@ -34,9 +34,13 @@ def _seconds(description: str) -> Meta:
     return Meta(gt=0, description=description)
 
 
-class ServerConfig(Settings, frozen=True):
-    """Endpoints, workers, timeouts, limits and CURVE keys of ``serve``, the scheduler
-    and the workers. Direct construction validates too, like :class:`SchedulerConfig`."""
+ModelImpl = Literal["auto", "transformers"]
+
+
+class ModelConfig(Settings, frozen=True):
+    """The ``[server]`` fields every worker is set up with (the scheduler sends them in
+    :class:`~shared.worker_settings.WorkerSettings`): the checkpoint, how it runs and
+    the tensor-parallel group. :class:`ServerConfig` inherits them."""
 
     TABLE: ClassVar[str] = "server"
 
@@ -47,24 +51,31 @@ class ServerConfig(Settings, frozen=True):
             "tiny model."
         ),
     ] = ""
-    frontend: Annotated[
-        str,
+    gpu_memory_utilization: Annotated[
+        float,
         Meta(
-            description="Client endpoint: ipc://PATH, or ipc://@NAME / tcp://HOST:PORT with CURVE."
+            gt=0,
+            le=1,
+            description="Share of GPU memory a CUDA worker may use (weights + KV cache).",
         ),
-    ] = ""
-    worker_endpoint: Annotated[
-        str, Meta(description="Endpoint workers connect to, like frontend.")
-    ] = ""
-    workers: Annotated[
-        int,
+    ] = 0.9
+    cuda_graphs: Annotated[
+        bool,
         Meta(
-            ge=1,
-            description="Worker processes (ranks) expected. Without tensor parallelism each "
-            "is a whole replica that runs every plan; with tensor_parallel_size N it must be "
-            "N (or 1, which means N).",
+            description="CUDA workers capture decode-only steps as CUDA graphs at start-up, "
+            "one per batch-size bucket up to max_num_seqs (false: every step eager). "
+            "Ignored off CUDA.",
         ),
-    ] = 1
+    ] = True
+    model_impl: Annotated[
+        ModelImpl,
+        Meta(
+            description="The workers' forward: auto = a CPU worker of one rank runs "
+            "expeditor's lean forward for llama, mistral, qwen2 and qwen3 checkpoints (the "
+            "same function in fewer operations) and transformers' model code otherwise; "
+            "transformers = transformers' model code always.",
+        ),
+    ] = "auto"
     tensor_parallel_size: Annotated[
         int,
         Meta(
@@ -90,6 +101,31 @@ class ServerConfig(Settings, frozen=True):
             "(workers started on their own need it set).",
         ),
     ] = 0
+
+
+class ServerConfig(ModelConfig, frozen=True):
+    """Endpoints, workers, timeouts, limits and CURVE keys of ``serve``, the scheduler
+    and the workers (the workers' model settings declared in :class:`ModelConfig`).
+    Direct construction validates too, like :class:`SchedulerConfig`."""
+
+    frontend: Annotated[
+        str,
+        Meta(
+            description="Client endpoint: ipc://PATH, or ipc://@NAME / tcp://HOST:PORT with CURVE."
+        ),
+    ] = ""
+    worker_endpoint: Annotated[
+        str, Meta(description="Endpoint workers connect to, like frontend.")
+    ] = ""
+    workers: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Worker processes (ranks) expected. Without tensor parallelism each "
+            "is a whole replica that runs every plan; with tensor_parallel_size N it must be "
+            "N (or 1, which means N).",
+        ),
+    ] = 1
     device: Annotated[
         str, Meta(description="Worker device: auto, cpu, cuda or cuda:N."), _DEVICE
     ] = "auto"
@@ -102,31 +138,6 @@ class ServerConfig(Settings, frozen=True):
             "else all but one (a core for the scheduler).",
         ),
     ] = 0
-    gpu_memory_utilization: Annotated[
-        float,
-        Meta(
-            gt=0,
-            le=1,
-            description="Share of GPU memory a CUDA worker may use (weights + KV cache).",
-        ),
-    ] = 0.9
-    cuda_graphs: Annotated[
-        bool,
-        Meta(
-            description="CUDA workers capture decode-only steps as CUDA graphs at start-up, "
-            "one per batch-size bucket up to max_num_seqs (false: every step eager). "
-            "Ignored off CUDA.",
-        ),
-    ] = True
-    model_impl: Annotated[
-        Literal["auto", "transformers"],
-        Meta(
-            description="The workers' forward: auto = a CPU worker of one rank runs "
-            "expeditor's lean forward for llama, mistral, qwen2 and qwen3 checkpoints (the "
-            "same function in fewer operations) and transformers' model code otherwise; "
-            "transformers = transformers' model code always.",
-        ),
-    ] = "auto"
     client_timeout_s: Annotated[
         float, _seconds("A client silent this long while it has requests is gone: abort them.")
     ] = 10.0

@@ -55,8 +55,11 @@ from ipc.errors import (
     ServerUnavailableError,
 )
 from ipc.schema import HealthState
+from shared.config_fields import field_spec
 from shared.gateway_config import GatewayConfig
 from shared.memory import Trimmer
+from shared.server_config import ServerConfig
+from shared.tokenizer import INLINE_TOKENIZE_CHARS
 
 __all__ = ["Gateway", "create_app"]
 
@@ -66,8 +69,9 @@ CONTROL_TIMEOUT_S = 5.0
 """How long /metrics and the model lookup wait for the scheduler."""
 HEALTH_TIMEOUT_S = 2.0
 """How long /health waits: a probe gets its 503 within a load balancer's timeout."""
-INLINE_TOKENIZE_CHARS = 16_384
-"""Longer chat prompts are tokenized on a thread, off the event loop."""
+MAX_PROMPT_BYTES: int = field_spec(ServerConfig, "max_prompt_bytes").default  # type: ignore[assignment]
+"""The scheduler's limit on a text prompt when the gateway is not told it: its declared
+default (``[server] max_prompt_bytes``)."""
 TRIM_AFTER_BYTES = 256 * 1024
 """After a request with a body this large, freed heap is handed back to the OS."""
 _LARGE_BODY: ContextVar[Trimmer | None] = ContextVar("large_body", default=None)
@@ -85,7 +89,7 @@ class Gateway:
         *,
         api_key: str | None = None,
         curve: dict[str, bytes] | None = None,
-        max_prompt_bytes: int = 1024 * 1024,
+        max_prompt_bytes: int = MAX_PROMPT_BYTES,
     ) -> None:
         """``max_prompt_bytes``: the scheduler's limit on a text prompt ([server]), which
         the gateway applies to the prompts it renders and tokenizes itself (chat,

@@ -5,16 +5,16 @@ has registered, so the gateway always describes the checkpoint the scheduler ser
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from expeditor.gateway.chat import ChatTemplate, load_chat_template
 from expeditor.gateway.protocol import GatewayRequestError
 from ipc.schema import InspectReply
+from shared.checkpoint import checkpoint_max_len
+from shared.tokenizer import load_tokenizer
 
 __all__ = ["ServedModel"]
 
@@ -36,20 +36,17 @@ class ServedModel:
     def from_inspect(
         cls, reply: InspectReply, served_name: str, chat_template_file: str
     ) -> ServedModel:
+        """The model the scheduler serves: the gateway reads the checkpoint's tokenizer
+        (:func:`shared.tokenizer.load_tokenizer`, as the scheduler does) at the same path."""
         path = reply.model
-        tokenizer_file = Path(path) / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file} not found: the gateway reads the tokenizer of the "
-                "checkpoint the scheduler serves, at the same path"
-            )
+        tokenizer = load_tokenizer(path)
         max_len = reply.config.get("max_model_len")
         if not isinstance(max_len, int):
-            max_len = _config_max_len(Path(path))
+            max_len = checkpoint_max_len(path)
         return cls(
             name=served_name or path,
             path=path,
-            tokenizer=Tokenizer.from_file(str(tokenizer_file)),
+            tokenizer=tokenizer,
             chat_template=load_chat_template(path, chat_template_file or None),
             max_model_len=max_len,
         )
@@ -90,12 +87,3 @@ class ServedModel:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-
-def _config_max_len(model_dir: Path) -> int | None:
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) else None

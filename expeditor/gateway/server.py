@@ -19,7 +19,7 @@ import os
 
 import uvicorn
 
-from expeditor.gateway.app import Gateway, create_app
+from expeditor.gateway.app import MAX_PROMPT_BYTES, Gateway, create_app
 from expeditor.gateway.http import RawSend
 from expeditor.gateway.transport import TransportLimits, guarded_protocol, reserve_open_files
 from shared.errors import ConfigError
@@ -82,7 +82,7 @@ def run_gateway(
     api_key: str | None,
     curve: dict[str, bytes] | None = None,
     grace_s: float = 30.0,
-    max_prompt_bytes: int = 1024 * 1024,
+    max_prompt_bytes: int = MAX_PROMPT_BYTES,
 ) -> int:
     """Serve until stopped; the exit status (2 at once, the problem logged, when
     ``max_connections`` does not fit under the open-file limit)."""

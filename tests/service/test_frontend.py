@@ -26,12 +26,13 @@ from ipc.schema import (
 )
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
-from scheduler_svc.frontend import INLINE_TOKENIZE_CHARS, Frontend
+from scheduler_svc.frontend import Frontend
 from scheduler_svc.outputs import RequestEnded
 from scheduler_svc.workers import WorkerRegistry
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 from shared.server_config import ServerConfig
+from shared.tokenizer import INLINE_TOKENIZE_CHARS
 
 LONG_PROMPT = "x" * (INLINE_TOKENIZE_CHARS + 1)
 

@@ -24,6 +24,7 @@ from gpu_worker.tiny_model import ARCHS, make_tiny_model
 from ipc.client import AsyncClient
 from scheduler_svc.launch import running_server
 from shared.sampling import SamplingParams
+from shared.worker_settings import WorkerSettings
 
 NEW_ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmo2", "granite")
 WINDOWED = {"mistral": [1, 1], "qwen2": [0, 1], "gemma2": [1, 0], "gemma3": [1, 0]}
@@ -116,8 +117,10 @@ def test_unsupported_checkpoints_are_refused_before_loading_weights(
     # A directory with no weights at all: the refusal comes first, not a missing file.
     directory = _write_config(tmp_path / "ckpt", config)
     with pytest.raises(ValueError, match=words):
-        ModelRunner(directory, device=torch.device("cpu"), block_size=16,
-                    max_num_batched_tokens=64, num_gpu_blocks=8)  # fmt: skip
+        settings = WorkerSettings.of(
+            model=str(directory), block_size=16, max_num_batched_tokens=64, num_gpu_blocks=8
+        )
+        ModelRunner(settings, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "granite"])

@@ -26,6 +26,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
+from shared.worker_settings import WorkerSettings
 
 BLOCK = 16
 
@@ -37,14 +38,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runner(checkpoint: Path) -> ModelRunner:
-    return ModelRunner(
-        checkpoint,
-        device=torch.device("cpu"),
-        block_size=BLOCK,
-        max_num_batched_tokens=256,
-        num_gpu_blocks=64,
-        dtype=torch.float32,
+    settings = WorkerSettings.of(
+        model=str(checkpoint), block_size=BLOCK, max_num_batched_tokens=256, num_gpu_blocks=64
     )
+    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def test_buckets() -> None:

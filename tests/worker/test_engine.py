@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from expeditor.llm import LLM
-from gpu_worker.tiny_model import make_tiny_model
+from gpu_worker.tiny_model import BOS_ID, make_tiny_model
 from scheduler_svc.core.request import RejectedError
 from shared.sampling import SamplingParams
 
@@ -38,15 +39,22 @@ def make_llm(checkpoint: Path) -> Iterator:
         llm.close()
 
 
-def test_text_prompts_round_trip(make_llm) -> None:
+def test_text_prompts_round_trip(make_llm, checkpoint: Path) -> None:
     llm = make_llm(num_gpu_blocks=64)
     out = llm.generate(["Hello, world", "héllo ✓"], SamplingParams(temperature=0.0, max_tokens=6))
+    reference = AutoTokenizer.from_pretrained(checkpoint)
     for completion, prompt in zip(out, ["Hello, world", "héllo ✓"], strict=True):
-        assert completion.prompt_token_ids[0] == llm.tokenizer.bos_token_id
+        assert completion.prompt_token_ids[0] == BOS_ID
+        assert completion.prompt_token_ids == reference(prompt)["input_ids"]
         assert llm.tokenizer.decode(completion.prompt_token_ids, skip_special_tokens=True) == prompt
         assert len(completion.token_ids) <= 6
         expected_text = llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         assert completion.text == expected_text
+    # Special tokens written in the text are special tokens, as transformers reads them.
+    specials = "<s>inline</s> specials"
+    ids = llm.encode(specials)
+    assert ids == reference(specials)["input_ids"]
+    assert ids[:2] == [BOS_ID, BOS_ID] and ids.count(2) == 1  # <s> and </s> are one id each
 
 
 def test_seeded_request_is_batch_independent(make_llm) -> None:

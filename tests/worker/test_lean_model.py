@@ -22,6 +22,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import SLIDING_WINDOW, make_tiny_model
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
+from shared.worker_settings import WorkerSettings
 
 WINDOWS = {
     "llama": [None, None],
@@ -45,15 +46,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 
 def _runner(path: Path, model_impl: str) -> ModelRunner:
-    return ModelRunner(
-        path,
-        device=torch.device("cpu"),
+    settings = WorkerSettings.of(
+        model=str(path),
         block_size=BLOCK,
         max_num_batched_tokens=256,
         num_gpu_blocks=NUM_GPU_BLOCKS,
-        dtype=torch.float32,
         model_impl=model_impl,
     )
+    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("arch", LEAN_TYPES)
@@ -172,7 +172,7 @@ def test_fused_weights_are_the_modules_weights(
 
 def test_a_bad_model_impl_is_refused(checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(
-        ValueError, match="model_impl must be one of auto, transformers, got 'lean'"
+        ValueError, match="model_impl: must be one of 'auto', 'transformers', got 'lean'"
     ):
         _runner(checkpoint("llama"), "lean")
     with pytest.raises(ConfigError, match="model_impl: must be one of") as info:

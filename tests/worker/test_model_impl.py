@@ -28,6 +28,7 @@ from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import make_tiny_model
+from shared.worker_settings import WorkerSettings
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 MAX_NUM_SEQS = 4
@@ -89,16 +90,15 @@ def _cuda_path_runner(
     """A runner set up as on CUDA: no K/V reuse (a CPU-path plan), and with ``graphs``
     its decode graphs captured as the runner captures them (same forward, same
     schedules), with no split-KV decodes."""
-    runner = ModelRunner(
-        path,
-        device=torch.device("cpu"),
+    settings = WorkerSettings.of(
+        model=str(path),
         block_size=BLOCK,
         max_num_batched_tokens=256,
         num_gpu_blocks=NUM_GPU_BLOCKS,
         max_num_seqs=MAX_NUM_SEQS,
-        dtype=torch.float32,
         model_impl=model_impl,
     )
+    runner = ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
     runner._reuse = None
     monkeypatch.setattr(runner, "_splits", lambda arrays: False)
     if graphs:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from support.limits import DAEMON_SAFETY_S
 
 from gpu_worker.daemon import WorkerDaemon
 from ipc.schema import (
@@ -18,10 +19,9 @@ from ipc.schema import (
     encode,
     worker_decoder,
 )
+from shared.worker_settings import WorkerSettings
 
 BEATS_WHILE_LOADING = 2
-SAFETY_S = 60.0
-"""How long the fake load waits for heartbeats before it gives up: a safety net."""
 
 
 def _fake_scheduler(sock: zmq.Socket, seen: list[str], beats: threading.Event) -> None:
@@ -31,7 +31,8 @@ def _fake_scheduler(sock: zmq.Socket, seen: list[str], beats: threading.Event) -
         return
     identity, frame = sock.recv_multipart()
     seen.append(type(worker_decoder.decode(frame)).__name__)
-    setup = WorkerSetup(model="slow", block_size=16, max_num_batched_tokens=64)
+    settings = WorkerSettings.of(model="slow", block_size=16, max_num_batched_tokens=64)
+    setup = WorkerSetup(settings=settings)
     sock.send_multipart([identity, encode(setup)])
     while seen[-1] != WorkerHello.__name__ and sock.poll(10_000):
         seen.append(type(worker_decoder.decode(sock.recv_multipart()[1])).__name__)
@@ -48,14 +49,14 @@ def test_heartbeats_continue_while_the_model_loads(
 
     def slow_setup(self: WorkerDaemon, setup: WorkerSetup) -> WorkerHello:
         # A checkpoint that takes a while to load: until the scheduler got heartbeats.
-        heard.append(beats.wait(SAFETY_S))
+        heard.append(beats.wait(DAEMON_SAFETY_S))
         return WorkerHello(
             rank=self.rank,
             pid=0,
             device="cpu",
             num_gpu_blocks=8,
             kv_bytes_per_block=1,
-            block_size=setup.block_size,
+            block_size=setup.settings.scheduler.block_size,
             model="slow",
         )
 

@@ -1,0 +1,73 @@
+"""Engine start-up, written once: the scheduler core, the swap pool and the step engine
+built from the scheduler configuration and what the first worker said about itself.
+
+The daemon calls :func:`build_engine` when the first :class:`~ipc.schema.WorkerHello`
+arrives, with the :class:`~scheduler_svc.remote_executor.RemoteExecutor` as executor;
+``LLM`` calls it with its model runner's hello and an
+:class:`~scheduler_svc.step_engine.InlineExecutor`. Either way the configuration is sized
+the same: ``num_gpu_blocks`` is the worker's cache, ``max_model_len`` is capped by the
+checkpoint's own limit (:func:`shared.checkpoint.capped_max_len`), and a swap pool of
+``num_cpu_blocks`` blocks of the worker's KV block size is created when that is not 0.
+Mapping the pool in the workers is the caller's (the daemon sends AttachSwapPool, ``LLM``
+attaches it to its runner's cache), as is closing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from ipc.schema import WorkerHello
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.step_engine import Executor, StepEngine
+from scheduler_svc.step_times import StepTimer
+from shared.checkpoint import capped_max_len
+from shared.config import SchedulerConfig
+from shared.swap_pool import SwapPoolSegment
+
+__all__ = ["BuiltEngine", "build_engine", "sized_config"]
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    config: SchedulerConfig
+    """The configuration as sized by the worker (the core's own)."""
+    core: Scheduler
+    engine: StepEngine
+    swap_pool: SwapPoolSegment | None
+    """The swap pool, when ``num_cpu_blocks`` is not 0 (the caller closes it)."""
+
+
+def sized_config(config: SchedulerConfig, hello: WorkerHello) -> SchedulerConfig:
+    """``config`` with the worker's cache size and the checkpoint's length limit."""
+    return msgspec.structs.replace(
+        config,
+        num_gpu_blocks=hello.num_gpu_blocks,
+        max_model_len=capped_max_len(config.max_model_len, hello.model),
+    )
+
+
+def build_engine(
+    config: SchedulerConfig,
+    hello: WorkerHello,
+    executor: Executor,
+    *,
+    times: StepTimer | None = None,
+) -> BuiltEngine:
+    """Scheduler, swap pool and step engine for workers like the one that sent ``hello``
+    (the first to register), their plans run by ``executor``, each step's parts added to
+    ``times``."""
+    sized = sized_config(config, hello)
+    swap_pool = (
+        SwapPoolSegment.create(sized.num_cpu_blocks, hello.kv_bytes_per_block)
+        if sized.num_cpu_blocks
+        else None
+    )
+    core = Scheduler(
+        sized,
+        eos_token_ids=hello.eos_token_ids,
+        kv_bytes_per_block=hello.kv_bytes_per_block,
+        vocab_size=hello.vocab_size or None,
+    )
+    return BuiltEngine(sized, core, StepEngine(core, executor, times=times), swap_pool)
