@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +25,6 @@ from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.event_clock import EventClock
-from gpu_worker.kernels import AttentionSchedule, plan_attention, use_triton, warm_up
-from gpu_worker.kernels.attention_schedule import split_decodes
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
@@ -155,6 +154,10 @@ class ModelRunner:
             block_size=block_size,
             dtype=self.dtype,
         )
+        self.attention_backend, self.attention_note = attention.choose_backend(
+            device, self.layout, self.num_heads
+        )
+        """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
         num_gpu_blocks = limits.num_gpu_blocks
         if num_gpu_blocks is None and device.type != "cuda":
             num_gpu_blocks = DEFAULT_CPU_BLOCKS
@@ -166,20 +169,18 @@ class ModelRunner:
             )
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
         # Every attention configuration the model uses compiled now, not at the first
-        # step that needs it (nothing off the Triton path).
+        # step that needs it (nothing off the Triton backend).
         cap = getattr(config, "attn_logit_softcapping", None)
         window = getattr(config, "sliding_window", None)
-        warm_up(
-            self.layout,
-            num_heads=self.num_heads,
-            device=device,
-            layer_kinds=[(None, cap), *([(window, cap)] if window else [])],
-        )
-        if settings.server.cuda_graphs and device.type == "cuda":
+        self.attention_backend.warm_up([(None, cap), *([(window, cap)] if window else [])])
+        capturable = self.attention_backend.capturable
+        if settings.server.cuda_graphs and device.type == "cuda" and capturable:
             max_len = capped_max_len(limits.max_model_len, model_dir)
             self.graphs = DecodeGraphs(
-                lambda tensors, schedule: self._run_model(tensors, self.kv_cache, None, schedule),
-                lambda arrays: self.plan_attention(arrays, num_sms=0),
+                lambda tensors, plan: self._run_model(tensors, self.kv_cache, plan),
+                lambda arrays: self.attention_backend.plan(
+                    arrays, self.kv_cache.num_blocks, capture=True
+                ),
                 max_num_seqs=limits.max_num_seqs,
                 width=-(-max_len // block_size),
                 device=device,
@@ -188,10 +189,6 @@ class ModelRunner:
             self.graphs.capture()
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.state = WorkerState()
-        # Decode steps of an unchanged batch keep each layer's gathered K/V (CPU path).
-        self._reuse: attention.DecodeReuse | None = (
-            attention.DecodeReuse() if device.type == "cpu" else None
-        )
 
     @property
     def vocab_size(self) -> int:
@@ -268,67 +265,32 @@ class ModelRunner:
         self.memory_profile = profile
         return int(blocks)
 
-    def _forward(
-        self, inputs: StepInputs, cache: KVCache, reuse: attention.DecodeReuse | None = None
-    ) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Hidden states of every packed token (under inference mode): a captured graph's
         replay for a decode-only step that fits one, else an eager forward."""
         arrays = inputs.host_arrays(self.block_size)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
-        # A step with split-KV decodes runs eagerly (a graph's launches are fixed); the
-        # host-side check spares a graph's step the schedule it would not use.
-        if self.graphs is not None and cache is self.kv_cache and not self._splits(arrays):
+        backend = self.attention_backend
+        if self.graphs is not None and cache is self.kv_cache and backend.graph_runs(arrays):
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return hidden
-        schedule = self.plan_attention(arrays) if use_triton(cache.kv) else None
-        return self._run_model(self.staging.to_device(arrays), cache, reuse, schedule)
-
-    def _splits(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Whether the step's schedule would take split-KV decodes on this GPU."""
-        return bool(
-            split_decodes(
-                np.diff(arrays["query_start_loc"]),
-                arrays["seq_lens"],
-                num_kv_heads=self.layout.num_kv_heads,
-                num_sms=torch.cuda.get_device_properties(self.device).multi_processor_count,
-            ).any()
-        )
-
-    def plan_attention(
-        self, arrays: dict[str, np.ndarray], num_sms: int | None = None
-    ) -> AttentionSchedule:
-        """The Triton path's launches for a step (``num_sms``: None the device's own,
-        0 no split-KV decodes), from its host arrays."""
-        kv_heads = self.layout.num_kv_heads
-        return plan_attention(
-            arrays["query_start_loc"],
-            arrays["seq_lens"],
-            num_kv_heads=kv_heads,
-            queries_per_kv=self.num_heads // kv_heads,
-            head_dim=self.layout.head_dim,
-            block_size=self.block_size,
-            num_sms=num_sms,
-            device=self.device,
-        )
+        plan = backend.plan(arrays, cache.num_blocks)
+        return self._run_model(self.staging.to_device(arrays), cache, plan)
 
     def _run_model(
-        self,
-        tensors: dict[str, torch.Tensor],
-        cache: KVCache,
-        reuse: attention.DecodeReuse | None = None,
-        schedule: AttentionSchedule | None = None,
+        self, tensors: dict[str, torch.Tensor], cache: KVCache, plan: Any
     ) -> torch.Tensor:
         """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)
-        with ``schedule`` for the Triton path's attention."""
+        with ``plan``, the attention backend's for the step."""
         meta = attention.StepMetadata(
             slot_mapping=tensors["slot_mapping"],
             block_tables=tensors["block_tables"],
             seq_lens=tensors["seq_lens"],
             query_start_loc=tensors["query_start_loc"],
             layer_caches=cache.layer_caches,
-            reuse=reuse,
-            attention_schedule=schedule,
+            backend=self.attention_backend,
+            plan=plan,
         )
         if self.lean is not None:
             return self.lean(tensors["input_ids"], tensors["positions"], meta)
@@ -369,12 +331,7 @@ class ModelRunner:
             return StepResult(step=plan.step, sampled_token_ids={})
         inputs = self._prepare_inputs(batch)
         clock.mark("prepared")
-        try:
-            hidden = self._forward(inputs, self.kv_cache, self._reuse)
-        except BaseException:
-            if self._reuse is not None:  # a layer may have stopped half way
-                self._reuse.plan = None
-            raise
+        hidden = self._forward(inputs, self.kv_cache)
         clock.mark("forwarded")
         reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden)

@@ -57,6 +57,8 @@ PARTITION_MULTIPLE = 32
 """Partition sizes are multiples of this (every key tile's size divides it)."""
 _ALIGN = 4
 """Each device index tensor starts at a multiple of this many int32 (16 bytes)."""
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton runs its interpreter (read once: Triton reads it at import too)."""
 
 DECODE, PREFILL, SPLIT, REDUCE = "decode", "prefill", "split", "reduce"
 KINDS = (DECODE, PREFILL, SPLIT, REDUCE)
@@ -112,7 +114,7 @@ def kernel_constexprs(
     has_softcap: bool,
 ) -> dict[str, int | bool]:
     """The compile-time constants of a launch of ``kind``: from the model only."""
-    interpreter_loop = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreter_loop = INTERPRET
     dim_pad = _dim_pad(head_dim)
     if kind == REDUCE:
         return {
@@ -246,7 +248,7 @@ def plan_attention(
 ) -> AttentionSchedule:
     """The schedule of a step from host arrays: ``query_start_loc`` [num_seqs + 1] and
     ``seq_lens`` [num_seqs] (context lengths including the step's tokens), as given to
-    :func:`~gpu_worker.kernels.paged_attention.paged_attention`. ``num_sms``: the GPU's
+    :func:`~gpu_worker.kernels.paged_attention.paged_attention_triton`. ``num_sms``: the GPU's
     multiprocessors, which decide the split-KV decodes (None: the CUDA device's own,
     none elsewhere; 0: no split). Never waits for the device."""
     device = torch.device(device)

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels.store_kv import use_triton
-
 _COPY_BLOCK = 1024
 
 
@@ -153,7 +151,7 @@ def scatter_blocks_triton(
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy whole blocks within ``kv_cache``: ``pairs`` int64 [n, 2] of (src, dst)."""
-    if use_triton(kv_cache):
+    if kv_cache.is_cuda:
         copy_blocks_triton(kv_cache, pairs)
     else:
         copy_blocks_ref(kv_cache, pairs)
@@ -161,14 +159,14 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Contiguous ``[n, *kv_cache.shape[1:]]`` copy of blocks ``block_ids`` (swap out)."""
-    if use_triton(kv_cache):
+    if kv_cache.is_cuda:
         return gather_blocks_triton(kv_cache, block_ids)
     return gather_blocks_ref(kv_cache, block_ids)
 
 
 def scatter_blocks(src: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Write ``src[i]`` into block ``block_ids[i]`` of ``kv_cache`` (swap in)."""
-    if use_triton(kv_cache):
+    if kv_cache.is_cuda:
         scatter_blocks_triton(src, kv_cache, block_ids)
     else:
         scatter_blocks_ref(src, kv_cache, block_ids)

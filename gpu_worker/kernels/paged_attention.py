@@ -4,8 +4,9 @@ optional sliding window and attention-logit soft-capping).
 A step's :class:`~gpu_worker.kernels.attention_schedule.AttentionSchedule` says which
 launch takes which sequence: decode tiles and prefill tiles of the main kernel here, and
 split-KV decodes (:mod:`gpu_worker.kernels.split_kv`) for long contexts that would
-underfill the GPU. The torch reference is :func:`paged_attention_ref`
-(:mod:`gpu_worker.kernels.attention_ref`).
+underfill the GPU. The reference is the torch backend's
+(:func:`gpu_worker.attention.torch_backend.paged_attention_ref`); the Triton backend
+(:mod:`gpu_worker.attention.triton_backend`) calls these kernels.
 """
 
 # Triton kernel parameters stay unannotated: Triton reads annotations for specialisation.
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels.attention_ref import paged_attention_ref
+from gpu_worker.attention import check_args
 from gpu_worker.kernels.attention_schedule import (
     NUM_WARPS,
     AttentionSchedule,
@@ -26,13 +27,7 @@ from gpu_worker.kernels.attention_schedule import (
     plan_attention,
 )
 from gpu_worker.kernels.attention_tile import attend_key_range, find_slot
-from gpu_worker.kernels.cpu_attention import (
-    check_attention_args,
-    check_window_softcap,
-    paged_attention_cpu,
-)
 from gpu_worker.kernels.split_kv import split_kv_decode
-from gpu_worker.kernels.store_kv import use_triton
 
 
 @triton.jit(
@@ -261,7 +256,8 @@ def paged_attention_triton(
     softcap: float | None = None,
     schedule: AttentionSchedule | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`paged_attention_ref` (flash-style online softmax over the
+    """Causal paged attention for a packed batch of prefill chunks and decodes, as the
+    torch backend's ``paged_attention_ref`` (flash-style online softmax over the
     sequence's KV blocks; with a window, only over the blocks the window reaches). Query
     rows outside every sequence are left uninitialised.
 
@@ -271,8 +267,9 @@ def paged_attention_triton(
     sequence; the kernels read the lengths from the tensors); None builds one from the
     tensors (a host sync on CUDA; split-KV decodes by the device's multiprocessor count).
     """
-    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    window, cap = check_window_softcap(window, softcap)
+    window, cap = check_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, window, softcap
+    )
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query)
     if query.shape[0] == 0 or num_seqs == 0:
@@ -293,36 +290,4 @@ def paged_attention_triton(
     return out
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    schedule: AttentionSchedule | None = None,
-) -> torch.Tensor:
-    """Causal paged attention for a packed batch of prefill chunks and decodes.
-
-    ``query`` [tokens, heads, head_dim]; sequence ``s`` owns rows
-    ``query_start_loc[s]:query_start_loc[s+1]``, which sit at the last positions of its
-    ``seq_lens[s]`` context (K/V already in the cache via ``block_tables[s]``). Returns
-    ``[tokens, heads, head_dim]`` in ``query.dtype``. CUDA tensors take the Triton kernels,
-    others :func:`~gpu_worker.kernels.cpu_attention.paged_attention_cpu` (the torch
-    reference stays the oracle of both). ``window``: the layer's sliding window, a query at
-    position p seeing keys ``p - window < k <= p`` (None or 0: none); ``softcap``: scores
-    capped to ``softcap * tanh(scores / softcap)`` before masking (None: none).
-    ``schedule``: the step's attention schedule, built once per step on the host and
-    shared by every layer (see :func:`paged_attention_triton`; ignored off Triton).
-    """
-    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
-    if use_triton(query, key_cache):
-        return paged_attention_triton(*args, window=window, softcap=softcap, schedule=schedule)
-    return paged_attention_cpu(*args, window=window, softcap=softcap)
-
-
-__all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton", "schedule_for"]
+__all__ = ["paged_attention_triton", "schedule_for"]

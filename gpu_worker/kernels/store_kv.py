@@ -5,18 +5,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when the Triton path should run: CUDA tensors or ``EXPEDITOR_FORCE_TRITON=1``."""
-    if os.environ.get("EXPEDITOR_FORCE_TRITON") == "1":
-        return True
-    return any(t.is_cuda for t in tensors)
 
 
 def _check_store_args(
@@ -141,19 +132,3 @@ def store_kv_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
     )
-
-
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write ``key``/``value`` [tokens, kv_heads, head_dim] into the cache slots in
-    ``slot_mapping`` (int64 [tokens], ``block * block_size + offset``; -1 skips a token).
-    """
-    if use_triton(key_cache, value_cache):
-        store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)

@@ -25,7 +25,6 @@ from gpu_worker.kernels.attention_schedule import (
     tile_config,
 )
 from gpu_worker.kernels.paged_attention import paged_attention_triton
-from gpu_worker.kernels.store_kv import use_triton
 
 
 class CacheLayout(Protocol):
@@ -49,13 +48,10 @@ def warm_up(
     softcap) of ``layer_kinds`` (None: none; only whether each is set matters), the
     decode tile, the prefill tile, the split-KV partial and its reduce, with
     ``num_heads`` query heads (this rank's) over ``layout``. Returns the (kind,
-    has_window, has_softcap) launched, after the device has run them; nothing (and no
-    launch) where attention does not take Triton (CPU tensors, unless
-    ``EXPEDITOR_FORCE_TRITON=1``).
+    has_window, has_softcap) launched, after the device has run them (the Triton
+    backend's warm-up).
     """
     device = torch.device(device)
-    if not use_triton(torch.empty(0, device=device)):
-        return []
     kv_heads, head_dim, block_size = layout.num_kv_heads, layout.head_dim, layout.block_size
     queries_per_kv = num_heads // kv_heads
     # A chunk one token longer than a decode tile, a short decode, and a decode long

@@ -1,30 +1,34 @@
-"""The native CPU attention (``gpu_worker.kernels.cpu_native``) against the torch reference.
+"""The native backend (``gpu_worker.attention.native_backend``) against the reference.
 
-Steps come from test_attention_plan's ``make_step``: the worker's cache layout (layer
+Steps come from ``support.attention_cases.make_step``: the worker's cache layout (layer
 views of ``[blocks, layers, 2, block_size, kv_heads, head_dim]``), NaN wherever nothing
 was stored, shuffled block ids, garbage past each table's entries, tokens without slots.
-Every layer goes through ``attention.attend`` (the kernel for short query runs, SDPA for
-long ones) and through ``store_kv_ref`` + ``paged_attention_cpu`` on a copy of the cache.
+Every layer goes through ``attention.attend`` (the kernel for short query runs, the
+torch backend's SDPA groups for long ones) and through ``store_kv_ref`` +
+``paged_attention_ref`` on a copy of the cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support.attention_cases import NUM_LAYERS, make_step, mixed_seqs
+from support.attention_cases import NUM_LAYERS, backend_for, make_step, mixed_seqs, planned
 from support.hf_reference import PROMPTS, hf_greedy
 
 from expeditor.llm import LLM
 from gpu_worker import attention
-from gpu_worker.kernels import cpu_native, paged_attention_cpu, paged_attention_ref, store_kv_ref
+from gpu_worker.attention import native_backend, torch_backend
+from gpu_worker.attention.native_backend import NativeBackend, NativeKernels, NativeStep
+from gpu_worker.attention.torch_backend import paged_attention_ref
+from gpu_worker.kernels import store_kv_ref
 from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
 
@@ -33,15 +37,13 @@ Tensor = torch.Tensor
 
 
 @pytest.fixture(scope="module", autouse=True)
-def native() -> Iterator[cpu_native.NativeKernels]:
-    """The native path on (module-wide, so Hypothesis tests may use it)."""
-    if cpu_native._compiler() is None:
+def native() -> Iterator[NativeKernels]:
+    """The compiled kernels (module-wide, so Hypothesis tests may use them)."""
+    if native_backend._compiler() is None:
         pytest.skip("no C compiler: the native kernel cannot be built here")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EXPEDITOR_NATIVE_CPU", "1")
-        kernels = cpu_native.native_kernels()
-        assert kernels is not None, "a compiler is present but the kernel did not build"
-        yield kernels
+    kernels = native_backend._loaded()
+    assert not isinstance(kernels, str), f"a compiler is present but: {kernels}"
+    yield kernels
 
 
 def split(qkv: Tensor, heads: int, kv_heads: int, fused: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -88,14 +90,16 @@ def check_native(
 ) -> list[Tensor]:
     """Run every layer natively and compare outputs and cache with the reference."""
     expected_kv = kv.clone()
-    outs = run_layers(meta, layers, group, window, softcap, fused)
-    assert meta.native_step is not None and meta.cpu_plan is None
     kv_heads = kv.shape[4]
+    step = planned(meta, backend_for("native", kv, kv_heads * group))
+    meta.backend, meta.plan = step.backend, step.plan  # the caller sees the plan
+    assert isinstance(meta.plan, NativeStep)
+    outs = run_layers(meta, layers, group, window, softcap, fused)
     for layer, (qkv, out) in enumerate(zip(layers, outs, strict=True)):
         q, k, v = split(qkv, kv_heads * group, kv_heads, fused)
         key_cache, value_cache = expected_kv[:, layer, 0], expected_kv[:, layer, 1]
         store_kv_ref(k, v, key_cache, value_cache, meta.slot_mapping)
-        ref = paged_attention_cpu(
+        ref = paged_attention_ref(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             q.shape[-1] ** -0.5, window=window, softcap=softcap,
         )  # fmt: skip
@@ -148,15 +152,19 @@ def test_routing_windows_softcap_and_uncovered_rows(
         calls.append(kwargs.get("attn_mask"))  # type: ignore[arg-type]
         return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)  # type: ignore
 
-    monkeypatch.setattr(cpu_native, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    monkeypatch.setattr(torch_backend, "F", SimpleNamespace(scaled_dot_product_attention=spy))
     kv, meta, layers = make_step(ROUTED, 2, 4, 24, 4, seed=31, lead_rows=2)
     layers = add_trailing(meta, layers, 3)
     outs = check_native(kv, meta, layers, 4, window, softcap)
-    step = meta.native_step
-    assert step is not None
+    calls.clear()  # the native run's calls only (not the reference's)
+    run_layers(meta, layers, 4, window, softcap)
+    step = meta.plan
+    assert isinstance(step, NativeStep)
     assert step.kernel_seqs.tolist() == [0, 1, 3, 7]
     assert step.all_seqs.tolist() == [0, 1, 2, 3, 4, 6, 7]
-    assert [(c.seq, c.blocks is None) for c in step.chunks] == [(2, True), (4, False), (6, True)]
+    routed = sorted((int(g.rows[0, 0]) - 2, g.blocks is None) for g in step.groups)
+    starts = meta.query_start_loc.tolist()
+    assert routed == [(starts[2] - 2, True), (starts[4] - 2, False), (starts[6] - 2, True)]
     assert len(calls) == (0 if softcap else 3 * NUM_LAYERS)
     masked = [m is not None for m in calls[:3]]
     if not softcap:  # whole prompts use SDPA's causal mask unless the window cuts them
@@ -226,9 +234,7 @@ def test_random_steps_match_reference(
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused"])
-def test_store_kv_writes_exactly_the_slotted_rows(
-    native: cpu_native.NativeKernels, layout: str
-) -> None:
+def test_store_kv_writes_exactly_the_slotted_rows(native: NativeKernels, layout: str) -> None:
     kv, meta, layers = make_step([(30, 5), (17, 1), (9, 9)], 2, 2, 24, 4, seed=3, lead_rows=2)
     slots = meta.slot_mapping.clone()
     slots[4] = -1  # one more token without a slot
@@ -261,22 +267,21 @@ BAD_STEPS = {
 }
 
 
+def host_arrays(meta: attention.StepMetadata) -> dict[str, np.ndarray]:
+    fields = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+    return {name: getattr(meta, name).numpy() for name in fields}
+
+
 @pytest.mark.parametrize("case", list(BAD_STEPS))
 def test_bad_metadata_is_refused_before_the_kernel(case: str) -> None:
     mutate, message = BAD_STEPS[case]
-    kv, meta, layers = make_step([(30, 5), (17, 1), (9, 9)], 2, 2, 16, 4, seed=4, lead_rows=1)
-    q = split(layers[0], 4, 2, fused=False)[0]
-    key_cache = meta.layer_caches[0][0]
-    args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.slot_mapping)
-    cpu_native.check_step(q, key_cache, *args)  # garbage past the tables, slot -1: fine
+    kv, meta, _ = make_step([(30, 5), (17, 1), (9, 9)], 2, 2, 16, 4, seed=4, lead_rows=1)
+    native_backend.check_step(host_arrays(meta), kv.shape[0], 4)  # garbage past the tables
     mutate(meta, kv)
     with pytest.raises(ValueError, match=message):
-        cpu_native.check_step(q, key_cache, *args)
-    before = kv.clone()
-    with pytest.raises(ValueError):
-        run_layers(meta, layers, 2)
-    assert meta.native_step is None
-    assert torch.equal(kv.nan_to_num(7.0), before.nan_to_num(7.0))  # nothing stored
+        native_backend.check_step(host_arrays(meta), kv.shape[0], 4)
+    with pytest.raises(ValueError, match=message):  # the plan refuses: no layer runs
+        planned(meta, backend_for("native", kv, 4))
 
 
 INDEX_DTYPES = {
@@ -291,66 +296,73 @@ INDEX_DTYPES = {
 
 
 @pytest.mark.parametrize("case", list(INDEX_DTYPES))
-def test_index_dtypes_the_kernel_cannot_read_are_refused(case: str) -> None:
-    _, meta, layers = make_step([(30, 1), (50, 1), (20, 20), (45, 3)], 2, 2, 32, 4, seed=1)
+def test_the_kernel_reads_its_own_index_copies(case: str) -> None:
+    """Index arrays of other dtypes or strides: the plan's int32/int64 copies, the same
+    results."""
+    kv, meta, layers = make_step([(30, 1), (50, 1), (20, 20), (45, 3)], 2, 2, 32, 4, seed=1)
     INDEX_DTYPES[case](meta)
-    q = split(layers[0], 4, 2, fused=False)[0]
-    with pytest.raises(ValueError, match="must"):
-        cpu_native.check_step(
-            q, meta.layer_caches[0][0], meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, meta.slot_mapping,
-        )  # fmt: skip
+    check_native(kv, meta, layers, 2)
+    step = meta.plan
+    assert (step.tables.dtype, step.lens.dtype, step.starts.dtype) == (torch.int32,) * 3
+    assert step.slots.dtype == torch.int64 and step.tables.stride(1) == 1
 
 
-def test_supports() -> None:
-    kv = torch.zeros(5, NUM_LAYERS, 2, 4, 2, 32)
-    k, v, q = kv[:, 1, 0], kv[:, 1, 1], torch.zeros(3, 4, 32)
-    assert cpu_native.supports(q, k, v)
-    for dtype in (torch.bfloat16, torch.float16):
-        assert not cpu_native.supports(q.to(dtype), k, v)
-        assert not cpu_native.supports(q, k.to(dtype), v.to(dtype))
-    assert not cpu_native.supports(q[:, :3], k, v)  # heads not a multiple of kv heads
+def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
+    kv, meta, layers = make_step([(30, 1), (20, 20)], 2, 2, 32, 4, seed=2)
+    meta = planned(meta, backend_for("native", kv, 4))
+    q, k, v = split(layers[0], 4, 2, fused=False)
+    key_cache, value_cache = meta.layer_caches[0]
+    backend = meta.backend
+    for args in (
+        (q.double(), k, v, key_cache, value_cache),
+        (q, k.transpose(1, 2).contiguous().transpose(1, 2), v, key_cache, value_cache),
+        (q[:-1], k[:-1], v[:-1], key_cache, value_cache),  # not the step's tokens
+        (q, k, v, key_cache, value_cache.half()),
+        (q, k, v, key_cache, value_cache.contiguous()),  # another layout
+    ):
+        meta.layer_caches[0] = args[3:]
+        with pytest.raises(ValueError, match="native attention takes"):
+            backend.forward(meta, 0, *args[:3], 0.25, 0, 0.0)
+    meta.layer_caches[0] = (key_cache, value_cache)
+    assert backend.forward(meta, 0, q, k, v, 0.25, 0, 0.0).shape == q.shape
+    layout = SimpleNamespace(num_layers=2, num_kv_heads=2, block_size=4, dtype=torch.float32)
+    cpu = torch.device("cpu")
     for head_dim, ok in ((256, True), (264, False)):
-        wide = torch.zeros(5, 1, 2, 4, 1, head_dim)
-        assert cpu_native.supports(torch.zeros(3, 2, head_dim), wide[:, 0, 0], wide[:, 0, 1]) == ok
+        kernels, why = native_backend.load(
+            cpu, SimpleNamespace(**vars(layout), head_dim=head_dim), 4
+        )
+        assert (kernels is not None) == ok and ("beyond" in why) != ok
+    for dtype in (torch.bfloat16, torch.float16):
+        half = SimpleNamespace(**{**vars(layout), "dtype": dtype}, head_dim=32)
+        assert native_backend.load(cpu, half, 4)[0] is None
 
 
-def test_supports_checks_the_value_cache_dtype() -> None:
-    key, value = torch.zeros(5, 2, 4, 2, 32), torch.zeros(5, 2, 4, 2, 32, dtype=torch.half)
-    assert not cpu_native.supports(torch.zeros(3, 4, 32), key[:, 0], value[:, 1])
-
-
-def test_switching_native_off_takes_the_torch_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_and_torch_backends_agree() -> None:
     kv, meta, layers = make_step(mixed_seqs(5, 120), 2, 4, 32, 16, seed=5, lead_rows=1)
     kv_off = kv.clone()
-    meta_off = dataclasses.replace(
-        meta, layer_caches=[(kv_off[:, i, 0], kv_off[:, i, 1]) for i in range(NUM_LAYERS)]
-    )
     on = check_native(kv, meta, layers, 4)
-    monkeypatch.setenv("EXPEDITOR_NATIVE_CPU", "0")
-    assert cpu_native.native_kernels() is None
-    off = run_layers(meta_off, layers, 4)
-    assert meta_off.native_step is None and meta_off.cpu_plan is not None
+    meta.layer_caches = [(kv_off[:, i, 0], kv_off[:, i, 1]) for i in range(NUM_LAYERS)]
+    off = run_layers(planned(meta, backend_for("torch", kv_off, 8)), layers, 4)
     for a, b in zip(on, off, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
     assert torch.equal(kv.nan_to_num(7.0), kv_off.nan_to_num(7.0))
 
 
 def test_build_caches_its_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = cpu_native.build(tmp_path)
+    path = native_backend.build(tmp_path)
     assert path.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [path.name]
     mtime = path.stat().st_mtime_ns
-    run = cpu_native.subprocess.run
+    run = native_backend.subprocess.run
 
     def no_compiling(cmd: list[str], **kwargs: object) -> object:
         assert cmd[1:] == ["--version"], f"recompiled: {cmd}"
         return run(cmd, **kwargs)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(cpu_native.subprocess, "run", no_compiling)
-    assert cpu_native.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native_backend.subprocess, "run", no_compiling)
+    assert native_backend.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
     kv = torch.full((2, 4, 1, 16), float("nan"))
     rows = torch.randn(3, 1, 16)
-    cpu_native.NativeKernels(path).store_kv(rows, rows, kv, kv.clone(), torch.tensor([5, -1, 0]))
+    NativeKernels(path).store_kv(rows, rows, kv, kv.clone(), torch.tensor([5, -1, 0]))
     assert torch.equal(kv[1, 1], rows[0]) and torch.equal(kv[0, 0], rows[2])
     assert int(kv.isnan().all(-1).sum()) == 6
 
@@ -361,13 +373,17 @@ def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("PATH", str(empty))
     with pytest.raises(RuntimeError, match="no C compiler"):
-        cpu_native.build(tmp_path / "kernels")
+        native_backend.build(tmp_path / "kernels")
     assert not (tmp_path / "kernels").exists()
-    cpu_native._loaded.cache_clear()
-    try:
-        assert cpu_native.native_kernels() is None  # the torch path runs instead
+    native_backend._loaded.cache_clear()
+    try:  # the torch backend runs instead, and says why
+        layout = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+        backend, why = attention.choose_backend(
+            torch.device("cpu"), SimpleNamespace(**vars(layout), dtype=torch.float32), 4, {}
+        )
+        assert backend.name == "torch" and "no C compiler" in why
     finally:
-        cpu_native._loaded.cache_clear()
+        native_backend._loaded.cache_clear()
 
 
 def test_failing_compiler_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,28 +391,28 @@ def test_failing_compiler_leaves_no_files(tmp_path: Path, monkeypatch: pytest.Mo
     assert false is not None
     monkeypatch.setenv("CC", false)
     with pytest.raises(RuntimeError, match="compiler failed"):
-        cpu_native.build(tmp_path)
+        native_backend.build(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_hung_compiler_is_a_failed_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = cpu_native.subprocess.run
+    run = native_backend.subprocess.run
 
     def hanging(cmd: list[str], **kwargs: object) -> object:
         if cmd[1:] == ["--version"]:
             return run(cmd, **kwargs)  # type: ignore[call-overload]
-        raise cpu_native.subprocess.TimeoutExpired(cmd, 300)
+        raise native_backend.subprocess.TimeoutExpired(cmd, 300)
 
-    monkeypatch.setattr(cpu_native.subprocess, "run", hanging)
+    monkeypatch.setattr(native_backend.subprocess, "run", hanging)
     with pytest.raises(RuntimeError, match="did not run"):
-        cpu_native.build(tmp_path)
+        native_backend.build(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_builds_are_kept_per_kind_of_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = cpu_native.build(tmp_path)
-    monkeypatch.setattr(cpu_native, "_cpu_id", lambda: b"model name : another cpu")
-    second = cpu_native.build(tmp_path)
+    first = native_backend.build(tmp_path)
+    monkeypatch.setattr(native_backend, "_cpu_id", lambda: b"model name : another cpu")
+    second = native_backend.build(tmp_path)
     assert second != first and {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
 
 
@@ -407,14 +423,14 @@ def test_engine_greedy_is_the_same_either_way(
     """Chunked prompts with prefix hits (block size 4, 24-token chunks): kernel and SDPA
     routes, windows (gemma) and soft-capping (gemma2); both paths equal transformers."""
     checkpoint = make_tiny_model(tmp_path / arch, arch=arch)
-    planned: list[cpu_native.NativeStep] = []
-    plan = attention.plan_native_step
+    steps: list[NativeStep] = []
+    plan = NativeBackend.plan
 
-    def counting(*args: object) -> cpu_native.NativeStep:
-        planned.append(plan(*args))  # type: ignore[arg-type]
-        return planned[-1]
+    def counting(*args: object, **kwargs: object) -> NativeStep:
+        steps.append(plan(*args, **kwargs))  # type: ignore[arg-type]
+        return steps[-1]
 
-    monkeypatch.setattr(attention, "plan_native_step", counting)
+    monkeypatch.setattr(NativeBackend, "plan", counting)
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     outputs = {}
     for flag in ("0", "1"):
@@ -425,8 +441,8 @@ def test_engine_greedy_is_the_same_either_way(
             outputs[flag] = [c.token_ids for c in llm.generate(PROMPTS, greedy)]
         finally:
             llm.close()
-        assert bool(planned) == (flag == "1")
+        assert bool(steps) == (flag == "1")
     assert outputs["0"] == outputs["1"]
-    chunks = [c.blocks is None for step in planned for c in step.chunks]
+    chunks = [g.blocks is None for step in steps for g in step.groups]
     assert True in chunks and False in chunks  # whole prompts and later chunks took SDPA
     assert outputs["1"] == hf_greedy(checkpoint, PROMPTS, 10)

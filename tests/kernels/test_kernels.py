@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from support.attention_cases import (
     need_triton,
 )
 
+from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import (
     copy_blocks,
     copy_blocks_ref,
@@ -33,13 +35,10 @@ from gpu_worker.kernels import (
     gather_blocks,
     gather_blocks_ref,
     gather_blocks_triton,
-    paged_attention,
-    paged_attention_ref,
     paged_attention_triton,
     scatter_blocks,
     scatter_blocks_ref,
     scatter_blocks_triton,
-    store_kv,
     store_kv_ref,
     store_kv_triton,
 )
@@ -61,8 +60,6 @@ if GPU_TESTS:
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # The same modules by path (the package re-exports functions under the module names).
-STORE_KV_MOD = importlib.import_module("gpu_worker.kernels.store_kv")
-ATTN_MOD = importlib.import_module("gpu_worker.kernels.paged_attention")
 BLOCK_COPY_MOD = importlib.import_module("gpu_worker.kernels.block_copy")
 
 
@@ -264,7 +261,7 @@ def test_window_and_softcap_change_the_result(device: str) -> None:
     inp = make_attn_inputs(case, torch.float32, device, seed=6)
     pos = torch.cat([torch.arange(n - q, n) for n, q in case.seqs])
     cut = pos >= window
-    funcs = [paged_attention_ref, paged_attention]
+    funcs = [paged_attention_ref]
     funcs += [paged_attention_triton] if device != "cpu" or INTERPRET else []
     for fn in funcs:
         full = fn(*inp.args()).cpu()
@@ -302,7 +299,7 @@ def test_windowed_triton_reads_nothing_before_the_windows(device: str) -> None:
 
 def test_window_zero_is_none_and_bad_values_raise() -> None:
     inp = make_attn_inputs(WINDOW_CASES["block_size_3"], torch.float32, "cpu", seed=8)
-    funcs = [paged_attention_ref, paged_attention]
+    funcs = [paged_attention_ref]
     funcs += [paged_attention_triton] if INTERPRET else []
     for fn in funcs:
         assert torch.equal(fn(*inp.args(), window=0), fn(*inp.args()))
@@ -428,46 +425,22 @@ def test_swap_round_trip_across_devices_reference() -> None:
 # ---------------------------------------------------------------- dispatch
 
 
-def test_dispatch_skips_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
-    called: list[str] = []
-
-    def fail(*args: object, **kwargs: object) -> None:
-        called.append("triton")
-
-    monkeypatch.setattr(STORE_KV_MOD, "store_kv_triton", fail)
-    monkeypatch.setattr(ATTN_MOD, "paged_attention_triton", fail)
-    monkeypatch.setattr(BLOCK_COPY_MOD, "copy_blocks_triton", fail)
-    kv_cache, key, value, slots = make_store_inputs(torch.float32, "cpu")
-    store_kv(key, value, kv_cache[:, 0, 0], kv_cache[:, 0, 1], slots)
-    copy_blocks(kv_cache, torch.tensor([[0, 1]]))
-    inp = make_attn_inputs(ATTN_CASES["chunk_13_cached_5_new"], torch.float32, "cpu")
-    paged_attention(*inp.args())
-    assert called == []
-
-
-def test_dispatch_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_copies_dispatch_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the references (whatever the environment), CUDA ones Triton."""
     monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
     called: list[str] = []
-    for mod, name in [
-        (STORE_KV_MOD, "store_kv_triton"),
-        (ATTN_MOD, "paged_attention_triton"),
-        (BLOCK_COPY_MOD, "copy_blocks_triton"),
-        (BLOCK_COPY_MOD, "gather_blocks_triton"),
-        (BLOCK_COPY_MOD, "scatter_blocks_triton"),
-    ]:
-        monkeypatch.setattr(mod, name, lambda *a, _n=name, **k: called.append(_n))
-    kv_cache, key, value, slots = make_store_inputs(torch.float32, "cpu")
-    store_kv(key, value, kv_cache[:, 0, 0], kv_cache[:, 0, 1], slots)
-    inp = make_attn_inputs(ATTN_CASES["chunk_13_cached_5_new"], torch.float32, "cpu")
-    paged_attention(*inp.args())
+    for name in ("copy_blocks_triton", "gather_blocks_triton", "scatter_blocks_triton"):
+        monkeypatch.setattr(BLOCK_COPY_MOD, name, lambda *a, _n=name: called.append(_n))
+    kv_cache = make_store_inputs(torch.float32, "cpu")[0]
+    expected = kv_cache.clone()
     copy_blocks(kv_cache, torch.tensor([[0, 1]]))
-    gather_blocks(kv_cache, torch.tensor([0]))
-    scatter_blocks(kv_cache[:1], kv_cache, torch.tensor([2]))
-    assert called == [
-        "store_kv_triton",
-        "paged_attention_triton",
-        "copy_blocks_triton",
-        "gather_blocks_triton",
-        "scatter_blocks_triton",
-    ]
+    copy_blocks_ref(expected, torch.tensor([[0, 1]]))
+    assert torch.equal(kv_cache, expected)
+    assert torch.equal(gather_blocks(kv_cache, torch.tensor([2])), kv_cache[2:3])
+    scatter_blocks(kv_cache[:1].clone(), kv_cache, torch.tensor([3]))
+    assert called == [] and torch.equal(kv_cache[3], kv_cache[0])
+    fake = SimpleNamespace(is_cuda=True)
+    copy_blocks(fake, None)  # type: ignore[arg-type]
+    gather_blocks(fake, None)  # type: ignore[arg-type]
+    scatter_blocks(None, fake, None)  # type: ignore[arg-type]
+    assert called == ["copy_blocks_triton", "gather_blocks_triton", "scatter_blocks_triton"]

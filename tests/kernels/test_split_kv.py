@@ -22,7 +22,9 @@ from support.attention_cases import (
     need_triton,
 )
 
-from gpu_worker.kernels import paged_attention, paged_attention_ref, paged_attention_triton
+from gpu_worker.attention import choose_backend
+from gpu_worker.attention.torch_backend import paged_attention_ref
+from gpu_worker.kernels import paged_attention_triton
 from gpu_worker.kernels.attention_schedule import (
     DECODE,
     KINDS,
@@ -251,11 +253,9 @@ def test_mixed_schedule_matches_ref(window: int | None, softcap: float | None, d
     assert schedule.decode_seqs.tolist() == [2, 6]  # GQA 4:1: up to 4 tokens per tile
     assert schedule.prefill_seqs.tolist() == [1, 3, 5]
     assert schedule.kinds == list(KINDS)
-    # (paged_attention's CPU path ignores the schedule: call the Triton path there.)
-    attend = paged_attention if device != "cpu" else paged_attention_triton
     for w, cap in [(None, None), (window, softcap)]:
         ref = paged_attention_ref(*inp.args(), window=w, softcap=cap)
-        out = attend(*inp.args(), window=w, softcap=cap, schedule=schedule)
+        out = paged_attention_triton(*inp.args(), window=w, softcap=cap, schedule=schedule)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -291,10 +291,11 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     return recorded
 
 
-def test_warm_up_is_a_no_op_off_triton(launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EXPEDITOR_FORCE_TRITON", raising=False)
+def test_warm_up_is_a_no_op_off_triton(launches: list) -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)
-    assert warm_up(layout, num_heads=8, device="cpu") == []
+    for env in ({}, {"EXPEDITOR_NATIVE_CPU": "0"}):
+        backend, _ = choose_backend(torch.device("cpu"), layout, 8, env)
+        backend.warm_up([(None, None), (4, 30.0)])
     assert launches == []
 
 
@@ -303,7 +304,6 @@ def test_warm_up_launches_every_configuration(
     qpk: int, launches: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     need_triton("cpu")
-    monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float16)
     # Gemma-2-like: sliding and global layers, both soft-capped (the window value and a
     # repeated kind change nothing).

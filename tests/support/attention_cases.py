@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,7 +150,8 @@ def make_step(
 ) -> tuple[torch.Tensor, attention.StepMetadata, list[torch.Tensor]]:
     """``seqs``: (context length incl. new tokens, new tokens). Returns the KV cache, the
     step's metadata and per layer (query, key, value) in the attention interface's
-    shapes; ``lead_rows`` tokens without a slot (-1) precede the sequences'."""
+    shapes; ``lead_rows`` tokens without a slot (-1) precede the sequences'. The metadata
+    has no backend yet: :func:`planned` gives it one."""
     g = torch.Generator().manual_seed(seed)
     needed = [-(-seq_len // block_size) for seq_len, _ in seqs]
     num_blocks = sum(needed) + 3
@@ -178,6 +181,8 @@ def make_step(
         seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
         query_start_loc=starts,
         layer_caches=[(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(NUM_LAYERS)],
+        backend=None,  # type: ignore[arg-type]
+        plan=None,
     )
     tokens = len(slots)
     layers = [
@@ -185,6 +190,32 @@ def make_step(
         for _ in range(NUM_LAYERS)
     ]
     return kv, meta, layers
+
+
+def planned(
+    meta: attention.StepMetadata, backend: attention.AttentionBackend
+) -> attention.StepMetadata:
+    """``meta`` with ``backend`` and its plan of the step (from the metadata's tensors)."""
+    fields = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+    arrays = {name: getattr(meta, name).cpu().numpy() for name in fields}
+    num_blocks = meta.layer_caches[0][0].shape[0]
+    return dataclasses.replace(meta, backend=backend, plan=backend.plan(arrays, num_blocks))
+
+
+def backend_for(name: str, kv: torch.Tensor, num_heads: int) -> attention.AttentionBackend:
+    """The named backend for caches like ``kv`` ([blocks, layers, 2, block_size, kv_heads,
+    head_dim]) and ``num_heads`` query heads, as the chooser makes it."""
+    layout = SimpleNamespace(
+        num_layers=kv.shape[1], num_kv_heads=kv.shape[4], head_dim=kv.shape[5],
+        block_size=kv.shape[3], dtype=kv.dtype,
+    )  # fmt: skip
+    env = {"native": {}, "torch": {"EXPEDITOR_NATIVE_CPU": "0"}}
+    backend, _ = attention.choose_backend(
+        torch.device("cpu"), layout, num_heads, env.get(name, {"EXPEDITOR_FORCE_TRITON": "1"})
+    )
+    if backend.name != name:
+        pytest.skip(f"no {name} backend here")
+    return backend
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from expeditor.llm import LLM
+from gpu_worker.attention import choose_backend
 from gpu_worker.cuda_graphs import (
     DecodeGraphs,
     bucket_for,
@@ -92,17 +93,25 @@ def _decode_arrays(contexts: list[list[int]], tables: list[list[int]]) -> dict[s
     return arrays
 
 
+def _planned(runner: ModelRunner, arrays: dict[str, np.ndarray]) -> Any:
+    return runner.attention_backend.plan(arrays, runner.kv_cache.num_blocks)
+
+
 def _hidden(runner: ModelRunner, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    tensors = runner.staging.to_device(arrays)
     with torch.inference_mode():
-        return runner._run_model(runner.staging.to_device(arrays), runner.kv_cache).clone()
+        return runner._run_model(tensors, runner.kv_cache, _planned(runner, arrays)).clone()
 
 
 @pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton-path"])
 def test_padding_rows_do_not_change_the_real_rows(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, triton: bool
 ) -> None:
-    if triton:
-        monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
+    if triton:  # the backend a runner chooses with EXPEDITOR_FORCE_TRITON=1
+        forced = {"EXPEDITOR_FORCE_TRITON": "1"}
+        backend, _ = choose_backend(runner.device, runner.layout, runner.num_heads, forced)
+        assert backend.name == "triton"
+        monkeypatch.setattr(runner, "attention_backend", backend)
     contexts = [list(range(1, 1 + n)) for n in (5, 17, 33)]
     # A cache of zeros: the other parameter's run left the same K/V in the same slots,
     # where a write of (nearly) the same values would not show as a write.
@@ -155,7 +164,8 @@ def test_replay_goes_through_the_static_inputs(runner: ModelRunner, fake_cuda_gr
 
     def forward(tensors: dict[str, torch.Tensor], schedule: object) -> torch.Tensor:
         assert schedule == "schedule-of-the-bucket"
-        return runner._run_model(tensors, runner.kv_cache)
+        arrays = {name: t.numpy() for name, t in tensors.items()}
+        return runner._run_model(tensors, runner.kv_cache, _planned(runner, arrays))
 
     def plan(arrays: dict[str, np.ndarray]) -> str:
         planned.append(arrays["seq_lens"].shape[0])

@@ -104,13 +104,13 @@ STEP_PATH = {
         "_sample_rows",
         "_prepare_inputs",
         "_run_model",
-        "plan_attention",
     },
     "gpu_worker/step_inputs.py": None,
     "gpu_worker/kernels/attention_schedule.py": None,
     "gpu_worker/cuda_graphs.py": {"run", "pad_decode", "is_decode_only", "bucket_for"},
     "gpu_worker/sampler.py": None,  # every function
-    "gpu_worker/attention.py": {"expeditor_attention"},
+    "gpu_worker/attention/__init__.py": {"attend", "expeditor_attention", "check_args"},
+    "gpu_worker/attention/triton_backend.py": {"plan", "graph_runs", "forward"},
 }
 
 

@@ -1,0 +1,265 @@
+"""expeditor's attention: one backend per worker, behind one interface.
+
+The model runs one packed forward per step: batch 1, every scheduled token side by side,
+explicit positions, no transformers cache. Attention is an :class:`AttentionBackend`
+(the shape of vLLM v1's backends and mini-sglang's ``BaseAttnBackend``): the runner
+calls its :meth:`~AttentionBackend.plan` once per step, on the host arrays of the step
+(before they reach the device), and puts the result into the step's
+:class:`StepMetadata`; every layer then calls :func:`attend` (the lean forward) or
+:func:`expeditor_attention` (transformers' modules, through the attention interface
+registered as :data:`ATTN_IMPLEMENTATION`), which hands the layer's q, k, v to the
+backend's :meth:`~AttentionBackend.forward`: store the new K/V in their cache slots,
+then attend over the paged cache. Every backend implements the whole contract: mixed
+batches of decodes and prompt chunks (row i of a sequence with L keys and n new rows
+sits at position L - n + i and sees keys k <= position), GQA, a per-layer sliding
+window (keys k > position - window) and soft-capping (scores become
+``softcap * tanh(score / softcap)``). Rows outside every sequence (the runner makes
+none) are zero on the CPU backends, unspecified on Triton.
+
+The backends, one module each:
+
+* ``triton`` (:mod:`.triton_backend`): the Triton kernels of :mod:`gpu_worker.kernels`;
+  its plan is the step's launch schedule, made without reading the device, so a decode
+  step costs one host sync and can be captured in a CUDA graph;
+* ``native`` (:mod:`.native_backend`): a C kernel compiled once per machine (float32
+  CPU workers): decodes and short chunks straight from the block tables, long prompt
+  chunks through the torch backend's SDPA groups;
+* ``torch`` (:mod:`.torch_backend`): plain torch, simple and exact: the fallback and the
+  reference every other backend is tested against.
+
+:func:`choose_backend` picks one at worker start-up from the device, the dtype and what
+the machine has, and says why; nothing in the step path reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import operator
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "AttentionBackend",
+    "CacheLayout",
+    "StepMetadata",
+    "attend",
+    "check_args",
+    "choose_backend",
+    "expeditor_attention",
+    "register",
+]
+
+ATTN_IMPLEMENTATION = "expeditor_paged"
+log = logging.getLogger("expeditor.worker")
+StepArrays = Mapping[str, np.ndarray]
+"""A step's host arrays (``StepInputs.host_arrays``): ``slot_mapping`` (int64 per token,
+-1: not stored), ``block_tables`` [seqs, width], ``seq_lens`` (keys after the step) and
+``query_start_loc`` [seqs + 1]."""
+
+
+class CacheLayout(Protocol):
+    """What a backend needs of the KV cache's layout (``kv_cache.KVLayout`` has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """One step's attention inputs, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] int64: cache slot (block * block_size + offset) of each new token."""
+    block_tables: torch.Tensor
+    """[seqs, width] int32."""
+    seq_lens: torch.Tensor
+    """[seqs] int32: keys after this step's tokens."""
+    query_start_loc: torch.Tensor
+    """[seqs + 1] int32: where each sequence's rows start in the packed batch."""
+    layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer: (key cache, value cache) [blocks, block_size, kv_heads, head_dim] views."""
+    backend: AttentionBackend
+    plan: Any
+    """What ``backend.plan`` made of the step."""
+
+
+class AttentionBackend:
+    """A worker's attention: :meth:`plan` once per step, :meth:`forward` per layer."""
+
+    name: ClassVar[str]
+    capturable: ClassVar[bool] = False
+    """Its plans (``capture=True``) serve every replay of a captured CUDA graph."""
+
+    def __init__(self, layout: CacheLayout, num_heads: int, device: torch.device) -> None:
+        self.layout, self.num_heads, self.device = layout, num_heads, torch.device(device)
+
+    def plan(self, arrays: StepArrays, num_blocks: int, *, capture: bool = False) -> Any:
+        """The step's per-step state, from its host arrays (never reads the device);
+        ``num_blocks``: the cache's; ``capture``: for a graph's fixed launches."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        meta: StepMetadata,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int,
+        softcap: float,
+    ) -> torch.Tensor:
+        """Store the layer's new ``k``/``v`` [tokens, kv_heads, head_dim], then attend:
+        ``q`` [tokens, heads, head_dim] -> the same shape (``window``/``softcap`` 0: none)."""
+        raise NotImplementedError
+
+    def graph_runs(self, arrays: StepArrays) -> bool:
+        """Whether a graph captured with a ``capture`` plan may run this step."""
+        return self.capturable
+
+    def warm_up(self, layer_kinds: Iterable[tuple[int | None, float | None]]) -> None:
+        """Compile what the layers of these (window, softcap) kinds will run (if anything)."""
+
+
+def check_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[int, float]:
+    """Raise ``ValueError`` unless the shapes fit paged attention's; returns
+    ``(window, softcap)`` with 0 for none (``window`` an int >= 1, ``softcap`` a finite
+    float > 0, or None / 0)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"caches must be [blocks, block_size, kv_heads, head_dim], got {key_cache.shape}"
+        )
+    if key_cache.shape[3] != query.shape[2]:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query {query.shape[2]}")
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"num_heads {query.shape[1]} not a multiple of num_kv_heads")
+    seqs = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != seqs:
+        raise ValueError(f"block_tables must be [{seqs}, max_blocks], got {block_tables.shape}")
+    if query_start_loc.shape != (seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{seqs + 1}], got {query_start_loc.shape}")
+    if window is None and softcap is None:
+        return 0, 0.0
+    size = 0 if window is None else -1
+    if window is not None and not isinstance(window, bool):
+        with contextlib.suppress(TypeError):
+            size = operator.index(window)
+    if size < 0:
+        raise ValueError(f"window must be an int >= 1 (or None/0 for none), got {window!r}")
+    cap = 0.0 if softcap is None else math.nan
+    if softcap is not None and not isinstance(softcap, bool):
+        with contextlib.suppress(TypeError, ValueError):
+            cap = float(softcap)
+    if softcap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
+    return size, cap
+
+
+def attend(
+    meta: StepMetadata,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer's attention through the step's backend (views will do for q, k, v)."""
+    key_cache, value_cache = meta.layer_caches[layer]
+    window, softcap = check_args(
+        q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        window, softcap,
+    )  # fmt: skip
+    return meta.backend.forward(meta, layer, q, k, v, scaling, window, softcap)
+
+
+def expeditor_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over :func:`attend`: query [1, heads, tokens,
+    head_dim], key/value [1, kv_heads, tokens, head_dim]."""
+    meta: StepMetadata | None = kwargs.get("expeditor_meta")
+    if meta is None:
+        raise RuntimeError("expeditor attention called without expeditor_meta")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    return attend(meta, layer, q, k, v, scaling, window, softcap).unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the attention implementation with transformers (idempotent); its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, expeditor_attention)
+    return ATTN_IMPLEMENTATION
+
+
+def choose_backend(
+    device: torch.device,
+    layout: CacheLayout,
+    num_heads: int,
+    env: Mapping[str, str] = os.environ,
+) -> tuple[AttentionBackend, str]:
+    """The worker's backend and why (logged): Triton on CUDA (or anywhere with
+    ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
+    native kernel for float32 on a CPU unless ``EXPEDITOR_NATIVE_CPU=0``, the kernel's
+    limits or a failed build say otherwise, else torch. Read once, at start-up."""
+    from gpu_worker.attention import native_backend, torch_backend
+
+    device = torch.device(device)
+    forced = env.get("EXPEDITOR_FORCE_TRITON") == "1"
+    if forced or device.type == "cuda":
+        from gpu_worker.attention import triton_backend
+
+        why = triton_backend.unusable(device)
+        if why is None:
+            reason = "EXPEDITOR_FORCE_TRITON=1" if forced else "CUDA"
+            return _chosen(triton_backend.TritonBackend(layout, num_heads, device), reason)
+        reason = f"Triton unusable: {why}"
+    elif env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
+        reason = "EXPEDITOR_NATIVE_CPU=0"
+    else:
+        kernels, why = native_backend.load(device, layout, num_heads)
+        if kernels is not None:
+            native = native_backend.NativeBackend(layout, num_heads, device, kernels)
+            return _chosen(native, kernels.path.name)
+        reason = f"no native kernel: {why}"
+    return _chosen(torch_backend.TorchBackend(layout, num_heads, device), reason)
+
+
+def _chosen(backend: AttentionBackend, reason: str) -> tuple[AttentionBackend, str]:
+    log.info("attention: %s backend (%s)", backend.name, reason)
+    return backend, reason

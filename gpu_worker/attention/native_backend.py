@@ -1,0 +1,273 @@
+"""The native backend: float32 CPU attention in C (``kernels/paged_attention_cpu.c``).
+
+On a CPU the torch backend spends most of a layer on bookkeeping: gathering K/V copies,
+masks, a call per group. The kernel attends every sequence straight from the block
+tables, each key and value row read once for all the query heads of its KV head, with
+an online softmax (windows and soft-capping too), and stores the step's new K/V. A
+sequence with more than :data:`PROMPT_ROWS` query rows (a prompt chunk) attends through
+the torch backend's groups instead, where SDPA's blocked matmuls beat the kernel's
+vector-at-a-time loops, except in a soft-capped layer (SDPA cannot cap). The plan makes
+that split once per step, and checks every index the kernel will follow (the kernel
+trusts them), in the int32/int64 copies the kernel then reads.
+
+Build: the first worker on a machine compiles the source with the system C compiler
+(``$CC``, else ``cc``/``gcc``/``clang``) into ``kernels/`` of expeditor's cache directory
+(``$EXPEDITOR_CACHE_DIR``, else ``~/.cache/expeditor``), named by a hash of the source,
+flags, compiler and CPU, so later workers load it in milliseconds; a build is written
+under a temporary name and renamed, so concurrent workers never load half a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import AttentionBackend, CacheLayout, StepArrays, StepMetadata
+from gpu_worker.attention.torch_backend import Group, attend_group, plan_groups
+from shared.paths import cache_dir
+
+__all__ = ["NativeBackend", "NativeKernels", "NativeStep", "build", "check_step", "load"]
+
+SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention_cpu.c"
+FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math")
+FLAGS += ("-fno-signed-zeros", "-fno-trapping-math")
+"""Reassociation lets the compiler vectorise the sums; infinities keep their meaning."""
+TUNE = ("-march=native",)
+"""Tried first (the kernel runs where it is built); dropped if the compiler refuses."""
+MAX_HEAD_DIM = MAX_BLOCK_SIZE = 256
+"""The kernel's limits (``MAX_HEAD_DIM``, ``MAX_BLOCK`` in the source)."""
+PROMPT_ROWS = 16
+"""Sequences with more query rows attend through SDPA, the rest through the kernel."""
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _compiler() -> str | None:
+    return next(
+        (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
+    )
+
+
+def _version(compiler: str) -> str:
+    try:
+        return subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_id() -> bytes:
+    """What ``-march=native`` compiled for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+
+
+def build(directory: Path | None = None) -> Path:
+    """The compiled library, built if this machine has none yet (``RuntimeError``: why not)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
+    directory = directory or cache_dir() / "kernels"
+    errors = []
+    for flags in ((*FLAGS, *TUNE), FLAGS):
+        parts = [SOURCE.read_bytes(), " ".join(flags).encode(), _version(compiler).encode()]
+        key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode(), _cpu_id()]))
+        target = directory / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            return target
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+        os.close(fd)
+        try:
+            try:
+                done = subprocess.run(
+                    [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
+                    capture_output=True, text=True, timeout=300,
+                )  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise RuntimeError(f"{compiler} did not run: {exc}") from None
+            if done.returncode == 0:
+                os.replace(partial, target)
+                return target
+            errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-500:]}")
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise RuntimeError("the C compiler failed: " + " | ".join(errors))
+
+
+class NativeKernels:
+    """The compiled library's two entry points (float32, rows contiguous)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._attend = lib.expeditor_paged_attention_f32
+        self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
+        self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F]
+        self._store = lib.expeditor_store_kv_f32
+        self._store.restype = None
+        self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I]
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:  # fmt: skip
+        """``k[t]``/``v[t]`` [tokens, kv_heads, head_dim] to slot ``slots[t]`` (int64
+        contiguous; < 0: none)."""
+        self._store(
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
+            key_cache.shape[1], slots.data_ptr(), slots.shape[0], *key_cache.shape[2:],
+        )  # fmt: skip
+
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               step: NativeStep, seqs: torch.Tensor, out: torch.Tensor, scale: float,
+               window: int, softcap: float) -> None:  # fmt: skip
+        """Attention of sequences ``seqs`` of ``step`` into their rows of ``out``."""
+        rc = self._attend(
+            q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+            key_cache.stride(0), out.data_ptr(), out.stride(0), out.stride(1),
+            step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr(),
+            step.starts.data_ptr(), seqs.data_ptr(), seqs.shape[0], q.shape[1],
+            key_cache.shape[2], key_cache.shape[3], key_cache.shape[1], scale, window, softcap,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError("native attention refused the shapes")
+
+
+@functools.cache
+def _loaded() -> NativeKernels | str:
+    try:
+        return NativeKernels(build())
+    except (RuntimeError, OSError) as exc:
+        return str(exc)
+
+
+def load(
+    device: torch.device, layout: CacheLayout, num_heads: int
+) -> tuple[NativeKernels | None, str]:
+    """This process's kernels for the layout, or None and why not."""
+    if device.type != "cpu" or layout.dtype != torch.float32:
+        return None, f"{layout.dtype} on {device.type} (the kernel: float32 on a CPU)"
+    if layout.head_dim > MAX_HEAD_DIM or layout.block_size > MAX_BLOCK_SIZE:
+        return None, f"head_dim or block_size beyond the kernel's {MAX_HEAD_DIM}"
+    kernels = _loaded()
+    return (None, kernels) if isinstance(kernels, str) else (kernels, "")
+
+
+@dataclass(slots=True)
+class NativeStep:
+    """A step's indices as the kernel reads them, and its split."""
+
+    tables: torch.Tensor
+    lens: torch.Tensor
+    starts: torch.Tensor
+    """int32 ``block_tables``, ``seq_lens`` and ``query_start_loc`` (checked)."""
+    slots: torch.Tensor
+    """int64 ``slot_mapping``."""
+    all_seqs: torch.Tensor
+    """int64: every sequence with query rows (a soft-capped layer's kernel call)."""
+    kernel_seqs: torch.Tensor
+    """int64: those with at most :data:`PROMPT_ROWS` query rows."""
+    groups: list[Group]
+    """The others, the torch backend's groups."""
+    covered: bool
+    """Every token is a sequence's query row."""
+
+
+def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` unless every index the kernel follows is inside the cache and
+    the step: query rows increasing within the tokens, each sequence's rows at most its
+    keys, its blocks in its table and in the cache, each slot in the cache."""
+    starts, lens = (np.asarray(arrays[n], dtype=np.int64) for n in ("query_start_loc", "seq_lens"))
+    tables, slots = np.asarray(arrays["block_tables"]), np.asarray(arrays["slot_mapping"])
+    q_lens = np.diff(starts)
+    if starts.shape != (len(lens) + 1,) or tables.ndim != 2 or len(tables) != len(lens):
+        raise ValueError("query_start_loc, seq_lens and block_tables disagree on the sequences")
+    if starts.size and (starts[0] < 0 or starts[-1] > slots.shape[0] or (q_lens < 0).any()):
+        raise ValueError(f"query_start_loc {starts.tolist()} outside the step's tokens")
+    if (q_lens > lens).any():
+        raise ValueError("a sequence has more query rows than keys")
+    if lens.size and int(lens.max()) > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {int(lens.max())} keys beyond its block table")
+    blocks = tables[np.arange(tables.shape[1]) < -(-lens[:, None] // block_size)]
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        raise ValueError(f"block ids outside the cache's {num_blocks} blocks")
+    if slots.size and int(slots.max()) >= num_blocks * block_size:
+        raise ValueError(f"a slot outside the cache's {num_blocks * block_size} slots")
+
+
+class NativeBackend(AttentionBackend):
+    name = "native"
+
+    def __init__(self, layout: CacheLayout, num_heads: int, device: torch.device,
+                 kernels: NativeKernels) -> None:  # fmt: skip
+        super().__init__(layout, num_heads, device)
+        self.kernels = kernels
+
+    def plan(self, arrays: StepArrays, num_blocks: int, *, capture: bool = False) -> NativeStep:
+        block_size = self.layout.block_size
+        check_step(arrays, num_blocks, block_size)
+        tables, lens, starts = (
+            torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.int32))
+            for n in ("block_tables", "seq_lens", "query_start_loc")
+        )
+        slots = torch.from_numpy(np.ascontiguousarray(arrays["slot_mapping"], dtype=np.int64))
+        first, last = (int(starts[0]), int(starts[-1])) if len(starts) else (0, 0)
+        q_lens = np.diff(starts.numpy())
+        long = np.flatnonzero(q_lens > PROMPT_ROWS)
+        kv_row = self.layout.num_kv_heads * self.layout.head_dim
+        host = (starts.numpy().astype(np.int64), lens.numpy().astype(np.int64), tables.numpy())
+        return NativeStep(
+            tables, lens, starts, slots,
+            all_seqs=torch.from_numpy(np.flatnonzero(q_lens > 0)),
+            kernel_seqs=torch.from_numpy(np.flatnonzero((q_lens > 0) & (q_lens <= PROMPT_ROWS))),
+            groups=plan_groups(*host, long, block_size, kv_row, self.device),
+            covered=first == 0 and last == slots.shape[0],
+        )  # fmt: skip
+
+    def forward(
+        self,
+        meta: StepMetadata,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int,
+        softcap: float,
+    ) -> torch.Tensor:
+        step: NativeStep = meta.plan
+        key_cache, value_cache = meta.layer_caches[layer]
+        inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
+        tokens = step.slots.shape[0]
+        for t in (q, k, v):
+            if t.dtype != torch.float32 or t.stride(2) != 1 or t.shape[0] != tokens:
+                raise ValueError(f"native attention takes float32 rows of the {tokens} tokens")
+        if key_cache.dtype != torch.float32 or tuple(key_cache.stride()[1:]) != inner:
+            raise ValueError("native attention takes float32 caches, contiguous within a block")
+        if value_cache.stride() != key_cache.stride() or value_cache.dtype != torch.float32:
+            raise ValueError("native attention takes key and value caches of one layout")
+        self.kernels.store_kv(k, v, key_cache, value_cache, step.slots)
+        out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
+        groups = [] if softcap else step.groups
+        seqs = step.kernel_seqs if groups else step.all_seqs
+        if seqs.numel():
+            self.kernels.attend(q, key_cache, value_cache, step, seqs, out, scale, window, softcap)
+        for g in groups:
+            attend_group(g, out, q, k, v, key_cache, value_cache, scale, window, 0.0)
+        return out
