@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from expeditor.llm import LLM
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder, why_not_lean
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import SLIDING_WINDOW, make_tiny_model
+from gpu_worker.tiny_model import SLIDING_WINDOW
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
 from shared.worker_settings import WorkerSettings
@@ -34,15 +34,8 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
-        return made[arch]
-
-    return get
+def checkpoint(tiny_checkpoint: Callable[[str], Path]) -> Callable[[str], Path]:
+    return tiny_checkpoint  # one per arch for the whole session (tests/conftest.py)
 
 
 def _runner(path: Path, model_impl: str) -> ModelRunner:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.hf_reference import hf_greedy
+from support.hf_reference import Oracle
 from support.runner_steps import (
     BLOCK,
     NUM_GPU_BLOCKS,
@@ -27,7 +27,6 @@ from support.runner_steps import (
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import make_tiny_model
 from shared.worker_settings import WorkerSettings
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
@@ -72,24 +71,12 @@ def cuda_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
-        return made[arch]
-
-    return get
-
-
 def _cuda_path_runner(
     path: Path, model_impl: str, monkeypatch: pytest.MonkeyPatch, graphs: bool
 ) -> ModelRunner:
-    """A runner set up as on CUDA: no K/V reuse (a CPU-path plan), and with ``graphs``
-    its decode graphs captured as the runner captures them (same forward, same
-    schedules), with no split-KV decodes."""
+    """A runner set up as on CUDA: the Triton backend, and with ``graphs`` its decode
+    graphs captured as the runner captures them on CUDA (same forward, same plans), every
+    decode step graphed (no split-KV decodes, which need the device's SM count)."""
     settings = WorkerSettings.of(
         model=str(path),
         block_size=BLOCK,
@@ -99,12 +86,13 @@ def _cuda_path_runner(
         model_impl=model_impl,
     )
     runner = ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
-    runner._reuse = None
-    monkeypatch.setattr(runner, "_splits", lambda arrays: False)
+    backend = runner.attention_backend
+    assert backend.name == "triton" and backend.capturable
+    monkeypatch.setattr(backend, "graph_runs", lambda arrays: True)
     if graphs:
         runner.graphs = DecodeGraphs(
-            lambda tensors, schedule: runner._run_model(tensors, runner.kv_cache, None, schedule),
-            lambda arrays: runner.plan_attention(arrays, num_sms=0),
+            lambda tensors, plan: runner._run_model(tensors, runner.kv_cache, plan),
+            lambda arrays: backend.plan(arrays, runner.kv_cache.num_blocks, capture=True),
             max_num_seqs=MAX_NUM_SEQS,
             width=SEQ_BLOCKS,
             device=runner.device,
@@ -132,11 +120,12 @@ def _syncs_per_step(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> lis
 @pytest.mark.parametrize("arch", LEAN_TYPES)
 def test_the_cuda_path_runs_the_lean_forward(
     arch: str,
-    checkpoint: Callable[[str], Path],
+    tiny_checkpoint: Callable[[str], Path],
+    hf_oracle: Oracle,
     monkeypatch: pytest.MonkeyPatch,
     cuda_path: None,
 ) -> None:
-    path = checkpoint(arch)
+    path = tiny_checkpoint(arch)
     lean = _cuda_path_runner(path, "auto", monkeypatch, graphs=True)
     assert lean.lean is not None
     assert lean.model_impl_note == f"lean (model type {arch!r})"
@@ -171,4 +160,4 @@ def test_the_cuda_path_runs_the_lean_forward(
             ours, theirs, **TOLERANCE, msg=lambda m, s=step: f"step {s}: {m}"
         )
     assert lean_tokens == plain_tokens
-    assert agrees_with(lean_tokens, hf_greedy(path, list(PROMPTS.values()), 8)), lean_tokens
+    assert agrees_with(lean_tokens, hf_oracle(path, list(PROMPTS.values()), 8)), lean_tokens

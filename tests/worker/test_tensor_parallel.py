@@ -2,13 +2,18 @@
 
 One spawn of 2 processes shards every architecture of TP_ARCHS (plus a llama with biases
 on every projection) and saves its logits, greedy continuation, parameter shapes and
-bytes; the parent compares them with the unsharded model's.
+bytes; the parent compares them with the unsharded model's. Another runs a ModelRunner
+in the group on each rank for every lean model type (and the biased llama): the lean
+forward is the one that runs, on both ranks, on the CPU path and on the Triton path (the
+kernels under the interpreter), and its hidden states and greedy tokens equal the
+unsharded model's and transformers' forward's over the same shards.
 """
 
 from __future__ import annotations
 
 import datetime
-import socket
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.hf_reference import hf_greedy
+from support.runner_steps import BLOCK, NUM_GPU_BLOCKS, PROMPTS, agrees_with, run_steps
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,8 +33,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from gpu_worker.lean_model import LEAN_TYPES
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tensor_parallel import TP_ARCHS, check_tp_supported, local_kv_heads, shard_model
-from gpu_worker.tiny_model import make_tiny_model
+from scheduler_svc.launch import free_port
+from shared.worker_settings import WorkerSettings
 
 WORLD = 2
 BIASED = "llama_bias"  # llama with a bias on every projection, o_proj/down_proj included
@@ -93,12 +103,6 @@ def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _make_biased(path: Path, base: Path) -> None:
     """The tiny llama with random biases on q/k/v/o and gate/up/down."""
     config = AutoConfig.from_pretrained(base)
@@ -116,19 +120,21 @@ def _make_biased(path: Path, base: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def sharded(
+    tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("tp")
     paths: dict[str, Path] = {}
     for model_type in TP_ARCHS:
         arch = "gemma3" if model_type == "gemma3_text" else model_type
-        paths[model_type] = make_tiny_model(root / arch, arch=arch)
+        paths[model_type] = tiny_checkpoint(arch)
     paths[BIASED] = root / BIASED
     _make_biased(paths[BIASED], paths["llama"])
     out = root / "out"
     out.mkdir()
     mp.spawn(
         _worker,
-        args=(_free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
+        args=(free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
         nprocs=WORLD,
         join=True,
     )
@@ -205,6 +211,102 @@ def test_shards_hold_half_the_projections(sharded: dict[str, Any], name: str) ->
         assert shapes["model.layers.0.self_attn.q_proj.bias"] == (
             config.num_attention_heads * config.head_dim // WORLD,
         )
+
+
+LEAN_CASES = (*LEAN_TYPES, BIASED)
+TRITON = "llama_triton"  # the llama again, on the Triton path (EXPEDITOR_FORCE_TRITON=1)
+IMPLS = ("auto", "transformers")
+
+
+def _step_runner(path: Path, model_impl: str, group: dist.ProcessGroup | None) -> ModelRunner:
+    settings = WorkerSettings.of(
+        model=str(path),
+        block_size=BLOCK,
+        max_num_batched_tokens=256,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        model_impl=model_impl,
+    )
+    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32, group=group)
+
+
+def _runner_worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
+    """Each case through a runner of each model_impl in the group: which forward ran,
+    the steps' hidden states and greedy tokens."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        for name, path in paths.items():
+            if name == TRITON:
+                os.environ["EXPEDITOR_FORCE_TRITON"] = "1"
+            result: dict[str, Any] = {}
+            for impl in IMPLS:
+                runner = _step_runner(Path(path), impl, dist.group.WORLD)
+                hidden, tokens = run_steps(runner)
+                result[impl] = {
+                    "lean": runner.lean is not None,
+                    "heads": None if runner.lean is None else runner.lean.num_heads,
+                    "note": runner.model_impl_note,
+                    "hidden": hidden,
+                    "tokens": tokens,
+                }
+            torch.save(result, Path(out) / f"{name}-{rank}.pt")
+            os.environ.pop("EXPEDITOR_FORCE_TRITON", None)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runners(sharded: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    paths = {name: sharded["paths"][name] for name in LEAN_CASES}
+    paths[TRITON] = paths["llama"]
+    out = tmp_path_factory.mktemp("tp-runners")
+    mp.spawn(
+        _runner_worker,
+        args=(free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
+        nprocs=WORLD,
+        join=True,
+    )
+    results = {
+        name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
+        for name in paths
+    }
+    return {"paths": paths, "results": results}
+
+
+@pytest.mark.parametrize("name", [*LEAN_CASES, TRITON])
+def test_the_lean_forward_runs_on_every_rank_and_is_exact(
+    runners: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = runners["paths"][name]
+    if name == TRITON:
+        monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
+    alone = _step_runner(path, "transformers", None)  # unsharded, transformers' forward
+    reference, reference_tokens = run_steps(alone)
+    heads = alone.config.num_attention_heads // WORLD
+    model_type = alone.config.model_type
+    ranks = runners["results"][name]
+    for result in ranks:
+        lean, plain = result["auto"], result["transformers"]
+        assert lean["lean"] and lean["heads"] == heads
+        assert lean["note"] == f"lean (model type {model_type!r}, sharded over {WORLD} ranks)"
+        assert not plain["lean"] and plain["note"] == "transformers (model_impl=transformers)"
+        for impl in (lean, plain):
+            for step, (ours, theirs) in enumerate(zip(impl["hidden"], reference, strict=True)):
+                torch.testing.assert_close(
+                    ours, theirs, rtol=1e-5, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}"
+                )
+            assert impl["tokens"] == reference_tokens
+    # Both ranks end every step with the same hidden states, bit for bit.
+    for ours, theirs in zip(ranks[0]["auto"]["hidden"], ranks[1]["auto"]["hidden"], strict=True):
+        assert torch.equal(ours, theirs)
+    expected = hf_greedy(path, list(PROMPTS.values()), 8)
+    assert agrees_with(ranks[0]["auto"]["tokens"], expected), ranks[0]["auto"]["tokens"]
 
 
 def _llama(**overrides: int) -> LlamaConfig:
