@@ -67,6 +67,7 @@ def test_a_decode_step_blocks_once(
     ]
     with LLM(checkpoint, device="cpu", dtype=torch.float32, max_model_len=64) as llm:
         runner = llm.runner
+        assert runner.lean is not None  # the lean forward, as on CUDA for a llama
         steps: list[tuple[bool, Counter[str], int]] = []
         execute, apply = runner.execute, runner.state.apply
         kinds: list[bool] = []
@@ -108,6 +109,7 @@ STEP_PATH = {
     "gpu_worker/step_inputs.py": None,
     "gpu_worker/kernels/attention_schedule.py": None,
     "gpu_worker/cuda_graphs.py": {"run", "pad_decode", "is_decode_only", "bucket_for"},
+    "gpu_worker/lean_model.py": {"__call__", "rotary", "_row_parallel"},
     "gpu_worker/sampler.py": None,  # every function
     "gpu_worker/attention/__init__.py": {"attend", "expeditor_attention", "check_args"},
     "gpu_worker/attention/triton_backend.py": {"plan", "graph_runs", "forward"},
