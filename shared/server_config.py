@@ -70,10 +70,11 @@ class ModelConfig(Settings, frozen=True):
     model_impl: Annotated[
         ModelImpl,
         Meta(
-            description="The workers' forward: auto = a CPU worker of one rank runs "
-            "expeditor's lean forward for llama, mistral, qwen2 and qwen3 checkpoints (the "
-            "same function in fewer operations) and transformers' model code otherwise; "
-            "transformers = transformers' model code always.",
+            description="The workers' forward: auto = expeditor's lean forward for "
+            "llama, mistral, qwen2 and qwen3 checkpoints on every device and "
+            "tensor-parallel degree (the same function in fewer operations) and "
+            "transformers' model code for the other architectures; transformers = "
+            "transformers' model code always.",
         ),
     ] = "auto"
     tensor_parallel_size: Annotated[
