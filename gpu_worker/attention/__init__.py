@@ -33,30 +33,19 @@ the machine has, and says why; nothing in the step path reads the environment.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import operator
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "AttentionBackend",
-    "CacheLayout",
-    "StepMetadata",
-    "attend",
-    "check_args",
-    "choose_backend",
-    "expeditor_attention",
-    "register",
-]
+if TYPE_CHECKING:
+    from gpu_worker.kernels.warmup import CacheLayout  # the KV layout (kv_cache.KVLayout)
 
 ATTN_IMPLEMENTATION = "expeditor_paged"
 log = logging.getLogger("expeditor.worker")
@@ -64,16 +53,6 @@ StepArrays = Mapping[str, np.ndarray]
 """A step's host arrays (``StepInputs.host_arrays``): ``slot_mapping`` (int64 per token,
 -1: not stored), ``block_tables`` [seqs, width], ``seq_lens`` (keys after the step) and
 ``query_start_loc`` [seqs + 1]."""
-
-
-class CacheLayout(Protocol):
-    """What a backend needs of the KV cache's layout (``kv_cache.KVLayout`` has it)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
 
 
 @dataclass(slots=True)
@@ -163,19 +142,17 @@ def check_args(
         raise ValueError(f"query_start_loc must be [{seqs + 1}], got {query_start_loc.shape}")
     if window is None and softcap is None:
         return 0, 0.0
-    size = 0 if window is None else -1
-    if window is not None and not isinstance(window, bool):
-        with contextlib.suppress(TypeError):
-            size = operator.index(window)
-    if size < 0:
+    if window is not None and not (_number(window, int) and window >= 0):
         raise ValueError(f"window must be an int >= 1 (or None/0 for none), got {window!r}")
-    cap = 0.0 if softcap is None else math.nan
-    if softcap is not None and not isinstance(softcap, bool):
-        with contextlib.suppress(TypeError, ValueError):
-            cap = float(softcap)
-    if softcap is not None and not (math.isfinite(cap) and cap > 0):
+    if softcap is not None and not (_number(softcap, float) and 0 < softcap < math.inf):
         raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
-    return size, cap
+    return int(window or 0), float(softcap or 0.0)
+
+
+def _number(value: object, kind: type) -> bool:
+    """An int (numpy's too) for ``int``; also a float for ``float``; never a bool."""
+    kinds = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def attend(

@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionBackend, CacheLayout, StepArrays, StepMetadata
+from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
 from gpu_worker.attention.torch_backend import Group, attend_group, plan_groups
+from gpu_worker.kernels.warmup import CacheLayout
 from shared.paths import cache_dir
 
 __all__ = ["NativeBackend", "NativeKernels", "NativeStep", "build", "check_step", "load"]
@@ -231,12 +232,11 @@ class NativeBackend(AttentionBackend):
         q_lens = np.diff(starts.numpy())
         long = np.flatnonzero(q_lens > PROMPT_ROWS)
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
-        host = (starts.numpy().astype(np.int64), lens.numpy().astype(np.int64), tables.numpy())
         return NativeStep(
             tables, lens, starts, slots,
             all_seqs=torch.from_numpy(np.flatnonzero(q_lens > 0)),
             kernel_seqs=torch.from_numpy(np.flatnonzero((q_lens > 0) & (q_lens <= PROMPT_ROWS))),
-            groups=plan_groups(*host, long, block_size, kv_row, self.device),
+            groups=plan_groups(arrays, block_size, kv_row, self.device, long),
             covered=first == 0 and last == slots.shape[0],
         )  # fmt: skip
 
@@ -254,14 +254,12 @@ class NativeBackend(AttentionBackend):
         step: NativeStep = meta.plan
         key_cache, value_cache = meta.layer_caches[layer]
         inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
-        tokens = step.slots.shape[0]
-        for t in (q, k, v):
-            if t.dtype != torch.float32 or t.stride(2) != 1 or t.shape[0] != tokens:
-                raise ValueError(f"native attention takes float32 rows of the {tokens} tokens")
-        if key_cache.dtype != torch.float32 or tuple(key_cache.stride()[1:]) != inner:
+        rows = (t.dtype == torch.float32 and t.stride(2) == 1 for t in (q, k, v))
+        if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
+            raise ValueError("native attention takes float32 rows of the step's tokens")
+        layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
+        if key_cache.dtype != torch.float32 or layout != (torch.float32, key_cache.stride(), inner):
             raise ValueError("native attention takes float32 caches, contiguous within a block")
-        if value_cache.stride() != key_cache.stride() or value_cache.dtype != torch.float32:
-            raise ValueError("native attention takes key and value caches of one layout")
         self.kernels.store_kv(k, v, key_cache, value_cache, step.slots)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         groups = [] if softcap else step.groups

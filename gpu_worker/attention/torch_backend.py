@@ -6,8 +6,8 @@ padded to their longest context (as many per group as keep its gathered K/V with
 :data:`GROUP_ELEMENTS`), every other sequence a group of its own. A layer stores its new
 K/V into their slots, then per group gathers the K/V blocks through the tables (a whole
 prompt, all of whose keys are this step's, reads the step's own rows instead), and
-attends with one call: SDPA (float32 accumulation; SDPA's causal mask for a whole
-prompt without a window), or explicit float32 scores with soft-capping, which SDPA
+attends with one call: SDPA (float32 accumulation; its own causal mask for a whole
+prompt that no window cuts), or explicit float32 scores with soft-capping, which SDPA
 cannot apply. Slots past a context may hold anything, even NaN, which a mask would not
 hide: the gathered copies zero them.
 """
@@ -22,15 +22,6 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata, check_args
 
-__all__ = [
-    "Group",
-    "TorchBackend",
-    "TorchStep",
-    "attend_group",
-    "paged_attention_ref",
-    "plan_groups",
-]
-
 GROUP_ELEMENTS = 1 << 23
 """Bound on a decode group's gathered K elements (unless one sequence alone is more)."""
 SCORE_ELEMENTS = 1 << 24
@@ -44,14 +35,13 @@ class Group:
     rows: torch.Tensor
     """[n, m] int64: the query (and output) rows."""
     q_pos: torch.Tensor
-    """[n, m, 1] int64: their positions."""
+    """[n, m, 1] int64: their positions (``lens`` [n, 1, 1]: the sequences' keys)."""
     lens: torch.Tensor
-    """[n, 1, 1] int64: keys of each sequence."""
     keys: int
-    """Keys attended per sequence (padded to whole blocks when gathered)."""
+    """Keys attended per sequence (whole blocks when gathered)."""
     blocks: torch.Tensor | None
-    """[n, blocks] int64 to gather (block 0 past a sequence's own); None: a whole prompt,
-    which reads the step's own K/V rows."""
+    """[n, blocks] int64 to gather (block 0 past a sequence's own); None: a whole prompt
+    reading the step's own K/V rows."""
     stale: torch.Tensor | None
     """[n, keys, 1, 1] bool: gathered slots past a context (zeroed), None when none."""
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -65,44 +55,35 @@ class Group:
         return self.masks[window]
 
 
-@dataclass(slots=True)
-class TorchStep:
-    store: tuple[torch.Tensor, torch.Tensor] | None
-    """(block, offset) of each token with a slot; None when none has."""
-    stored: torch.Tensor | None
-    """The tokens with a slot, None when every token has one."""
-    groups: list[Group]
-
-
 def plan_groups(
-    starts: np.ndarray,
-    lens: np.ndarray,
-    tables: np.ndarray,
-    seqs: np.ndarray,
+    arrays: StepArrays,
     block_size: int,
     kv_row: int,
     device: torch.device,
+    seqs: np.ndarray | None = None,
     own: bool = True,
 ) -> list[Group]:
-    """The groups of sequences ``seqs`` (indices; those with rows and keys), from the
-    step's host ``query_start_loc``, ``seq_lens`` and ``block_tables``; ``own``: whole
-    prompts read the step's K/V rows."""
-    q_lens = starts[1:] - starts[:-1]
+    """The groups of sequences ``seqs`` (indices, None: all; those without rows or keys
+    left out) of a step's host arrays; ``own``: whole prompts read the step's K/V rows."""
+    starts, lens, tables = (
+        np.asarray(arrays[n], dtype=np.int64)
+        for n in ("query_start_loc", "seq_lens", "block_tables")
+    )
+    q_lens = np.diff(starts)
+    seqs = np.arange(len(lens)) if seqs is None else seqs
     seqs = seqs[(q_lens[seqs] > 0) & (lens[seqs] > 0)]
     decodes = seqs[q_lens[seqs] == 1]
     decodes = decodes[np.argsort(-lens[decodes], kind="stable")]
-    members = [seqs[q_lens[seqs] > 1, None]]
-    while decodes.size:  # the longest first: each group as many as fit GROUP_ELEMENTS
+    members = list(seqs[q_lens[seqs] > 1, None])
+    while decodes.size:  # the longest first: as many as fit GROUP_ELEMENTS
         n = max(1, GROUP_ELEMENTS // (int(lens[decodes[0]]) * kv_row))
-        members.append(decodes[None, :n])
+        members.append(decodes[:n])
         decodes = decodes[n:]
     groups = []
-    for group in (g for part in members for g in part):
+    for group in members:
         glens, m = lens[group], int(q_lens[group[0]])
-        rows = starts[group][:, None] + np.arange(m)
-        q_pos = (glens - m)[:, None] + np.arange(m)
-        blocks = stale = None
-        keys = int(glens[0])
+        rows, q_pos = starts[group, None] + np.arange(m), (glens - m)[:, None] + np.arange(m)
+        keys, blocks, stale = int(glens[0]), None, None
         if m != keys or not own:  # gather whole blocks (past its own: block 0)
             width = -(-int(glens.max()) // block_size)
             keys = width * block_size
@@ -110,11 +91,12 @@ def plan_groups(
             blocks = _tensor(np.where(used, tables[group, :width], 0), device)
             past = np.arange(keys) >= glens[:, None]
             stale = _tensor(past[:, :, None, None], device) if past.any() else None
+        lens_t = _tensor(glens[:, None, None], device)
         groups.append(
             Group(
                 _tensor(rows, device),
                 _tensor(q_pos[:, :, None], device),
-                _tensor(glens[:, None, None], device),
+                lens_t,
                 keys,
                 blocks,
                 stale,
@@ -147,69 +129,56 @@ def attend_group(
             keys, values = keys.masked_fill_(g.stale, 0.0), values.masked_fill_(g.stale, 0.0)
     query = q.index_select(0, rows).view(n, m, *q.shape[1:])
     causal = g.blocks is None and not softcap and not 0 < window < g.keys
-    mask = None if causal else g.mask(window)
-    attn = _attention(query, keys, values, mask, scale, softcap)
+    attn = _attention(query, keys, values, None if causal else g.mask(window), scale, softcap)
     out.index_copy_(0, rows, attn.reshape(n * m, *q.shape[1:]))
 
 
 def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
     softcap: float,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """q [n, m, heads, d], k/v [n, keys, kv_heads, d], mask [n, m, keys] (None: causal)
     -> [n, m, heads, d] in q's dtype."""
-    if not softcap:
+    if mask is None or not softcap:
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        attn_mask = None if mask is None else mask[:, None]
         return F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=None if mask is None else mask[:, None],
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
+            *qkv, attn_mask=attn_mask, is_causal=mask is None, scale=scale, enable_gqa=True
         ).transpose(1, 2)
-    assert mask is not None
     n, m, heads, d = q.shape
-    kv_heads, keys = k.shape[2], k.shape[1]
-    k, v = k.float(), v.float()
+    kv_heads, k, v = k.shape[2], k.float(), v.float()
     out = torch.empty_like(q)
-    step = max(1, SCORE_ELEMENTS // (n * heads * keys))
-    for lo in range(0, m, step):  # [n, kv_heads, per kv head, rows, keys] scores
+    step = max(1, SCORE_ELEMENTS // (n * heads * k.shape[1]))
+    for lo in range(0, m, step):  # scores [n, kv_heads, heads per KV head, rows, keys]
         qc = q[:, lo : lo + step].float().view(n, -1, kv_heads, heads // kv_heads, d)
-        scores = torch.einsum("nmkgd,nlkd->nkgml", qc, k).mul_(scale / softcap)
-        scores = (
-            scores.tanh_()
-            .mul_(softcap)
-            .masked_fill_(~mask[:, None, None, lo : lo + step], -torch.inf)
-        )
-        attn = torch.einsum("nkgml,nlkd->nmkgd", scores.softmax(-1), v)
-        out[:, lo : lo + step] = attn.reshape(n, -1, heads, d)
+        scores = torch.einsum("nmkgd,nlkd->nkgml", qc, k).mul_(scale / softcap).tanh_()
+        hidden = ~mask[:, None, None, lo : lo + step]
+        probs = scores.mul_(softcap).masked_fill_(hidden, -torch.inf).softmax(-1)
+        out[:, lo : lo + step] = torch.einsum("nkgml,nlkd->nmkgd", probs, v).flatten(2, 3)
     return out
+
+
+@dataclass(slots=True)
+class TorchStep:
+    store: tuple[torch.Tensor, torch.Tensor] | None
+    """(block, offset) of each token with a slot; None when none has."""
+    stored: torch.Tensor | None
+    """The tokens with a slot, None when every token has one."""
+    groups: list[Group]
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, arrays: StepArrays, num_blocks: int, *, capture: bool = False) -> TorchStep:
-        block_size = self.layout.block_size
+        bs, device = self.layout.block_size, self.device
         slots = np.asarray(arrays["slot_mapping"], dtype=np.int64)
         kept = np.flatnonzero(slots >= 0)
-        store = None
-        if kept.size:
-            store = (_tensor(slots[kept] // block_size, self.device),
-                     _tensor(slots[kept] % block_size, self.device))  # fmt: skip
-        starts, lens, tables = _host(arrays)
+        store = (_tensor(slots[kept] // bs, device), _tensor(slots[kept] % bs, device))
+        stored = None if kept.size == slots.size else _tensor(kept, device)
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
-        groups = plan_groups(
-            starts, lens, tables, np.arange(len(lens)), block_size, kv_row, self.device
-        )
-        return TorchStep(
-            store, None if kept.size == slots.size else _tensor(kept, self.device), groups
-        )
+        groups = plan_groups(arrays, bs, kv_row, device)
+        return TorchStep(store if kept.size else None, stored, groups)
 
     def forward(
         self,
@@ -225,10 +194,9 @@ class TorchBackend(AttentionBackend):
         step: TorchStep = meta.plan
         key_cache, value_cache = meta.layer_caches[layer]
         if step.store is not None:
-            new_k = k if step.stored is None else k.index_select(0, step.stored)
-            new_v = v if step.stored is None else v.index_select(0, step.stored)
-            key_cache.index_put_(step.store, new_k.to(key_cache.dtype))
-            value_cache.index_put_(step.store, new_v.to(value_cache.dtype))
+            kept_k, kept_v = (x if step.stored is None else x[step.stored] for x in (k, v))
+            key_cache.index_put_(step.store, kept_k.to(key_cache.dtype))
+            value_cache.index_put_(step.store, kept_v.to(value_cache.dtype))
         out = torch.zeros_like(q)
         for g in step.groups:
             attend_group(g, out, q, k, v, key_cache, value_cache, scale, window, softcap)
@@ -247,33 +215,17 @@ def paged_attention_ref(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The torch backend's attention over a cache that holds every key already (tests'
-    oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
-    window, softcap = check_args(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, window, softcap
-    )
-    arrays = {
-        "query_start_loc": query_start_loc,
-        "seq_lens": seq_lens,
-        "block_tables": block_tables,
-    }
-    starts, lens, tables = _host({n: t.cpu().numpy() for n, t in arrays.items()})
+    """The torch backend's attention over a cache that holds every key already (the
+    tests' oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    window, softcap = check_args(*args, window, softcap)
+    host = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_tables": block_tables}
+    arrays = {name: t.cpu().numpy() for name, t in host.items()}
     kv_row = key_cache.shape[2] * key_cache.shape[3]
-    groups = plan_groups(
-        starts, lens, tables, np.arange(len(lens)), key_cache.shape[1], kv_row, query.device, False
-    )
     out = torch.zeros_like(query)
-    for g in groups:
+    for g in plan_groups(arrays, key_cache.shape[1], kv_row, query.device, own=False):
         attend_group(g, out, query, query, query, key_cache, value_cache, scale, window, softcap)
     return out
-
-
-def _host(arrays: StepArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """int64 ``query_start_loc``, ``seq_lens`` and ``block_tables``."""
-    return tuple(
-        np.asarray(arrays[n], dtype=np.int64)
-        for n in ("query_start_loc", "seq_lens", "block_tables")
-    )  # type: ignore[return-value]
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -1,29 +1,15 @@
-/* Paged attention for the CPU worker, straight from the block tables (float32).
- *
- * For each chosen sequence and KV head, the query vectors of that head's query heads
- * (every query row of the sequence times the heads per KV head) attend over the
- * sequence's keys block by block, reading each key and value row of the cache once for
- * all of them, with an online softmax: no gather into a contiguous copy, no padding, no
- * mask tensor. Query row i of a sequence with L keys after this step and n query rows
- * is at position L - n + i and sees the keys k with k <= position (causal) and, with a
- * window w > 0, position - w < k. With softcap c > 0 the scaled scores become
- * c * tanh(score / c).
- *
- * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d; out likewise (o_tok, o_head);
- * the caches [blocks, block_size, kv_heads, head_dim], block_stride floats from one block
- * to the next and contiguous within a block (a layer's view of the worker's cache);
- * tables[s, j] (int32, table_stride apart) the j-th block of sequence s; seq_lens[s]
- * and query_start_loc (int32) as the step's metadata has them; seqs[0 .. n_seqs) the
- * sequences to compute (int64 indices into them; the other sequences' output rows are
- * left as they are).
- *
- * With AVX2 and FMA (x86, -march=native) the inner loops are written with intrinsics:
- * eight dot products reduced together, a vectorised exponential (a polynomial, relative
- * error about 2e-7, like SDPA's), value sums over eight independent accumulators; other
- * machines run plain C loops of the same arithmetic. Returns 0, or -1 when the shapes
- * are beyond the fixed limits below. The caller checks the metadata (block ids,
- * lengths, index types) against the cache first.
- */
+/* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py),
+ * float32, straight from the block tables: for each sequence and KV head, the query
+ * vectors of its query heads attend over the keys block by block, each key and value row
+ * read once for all of them, with an online softmax. Row i of a sequence with L keys and
+ * n query rows sits at position p = L - n + i and sees keys k <= p (and, window w > 0,
+ * k > p - w); softcap c > 0 makes the scores c * tanh(score / c). Layouts: q[t, h, d] at
+ * q + t * q_tok + h * q_head + d, out likewise; caches [blocks, block_size, kv_heads,
+ * head_dim], block_stride floats apart, contiguous within a block; tables[s, j] (int32,
+ * table_stride apart); seq_lens and query_start_loc int32; seqs (int64) the sequences to
+ * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
+ * intrinsics (a polynomial exponential, relative error about 2e-7); elsewhere plain C of
+ * the same arithmetic. The caller has checked every index. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -221,9 +207,7 @@ static inline __attribute__((always_inline)) void attend_vectors(
     int64_t q0, int64_t first_pos, int64_t per_kv, int64_t kv, int64_t v0, int64_t nv,
     int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float softcap) {
-    /* Scratch sized to the shapes (rows head_dim apart, not MAX_HEAD_DIM: they stay in
-     * a few cache lines). */
-    float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
+        float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
     float scores_buf[MAX_VECTORS * block_size];
     float(*qv)[head_dim] = (float(*)[head_dim])qv_buf;
     float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
@@ -345,9 +329,7 @@ int expeditor_paged_attention_f32(
     return 0;
 }
 
-/* Store each token's new key and value rows in its cache slot (slot < 0: none).
- * k[t, h, d] at k + t * k_tok + h * k_head + d, v likewise; a slot is
- * block * block_size + offset, its row kv_heads * head_dim contiguous floats. */
+/* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
 void expeditor_store_kv_f32(const float *k, int64_t k_tok, int64_t k_head, const float *v,
                             int64_t v_tok, int64_t v_head, float *key_cache,
                             float *value_cache, int64_t block_stride, int64_t block_size,

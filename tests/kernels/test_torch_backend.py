@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 from support.attention_cases import mixed_seqs
@@ -139,11 +138,11 @@ def test_decode_groups_do_not_change_results(
     seqs = [(int(n), 1) for n in torch.randint(1, 401, (64,), generator=g)] + [(50, 9)]
     batch = make_batch(seqs, 2, 4, 32, 16, torch.float32, 3)
     whole = paged_attention_ref(*batch.args())
-    host = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
-    starts, lens, tables = (t.numpy().astype("int64") for t in host)
+    names = ("query_start_loc", "seq_lens", "block_tables")
+    arrays = {n: getattr(batch, n).numpy() for n in names}
 
     def groups() -> list[torch_backend.Group]:
-        return torch_backend.plan_groups(starts, lens, tables, np.arange(65), 16, 64, CPU)
+        return torch_backend.plan_groups(arrays, 16, 64, CPU)
 
     assert len(groups()) == 2  # the chunk, and every decode together
     monkeypatch.setattr(torch_backend, "GROUP_ELEMENTS", elements)
