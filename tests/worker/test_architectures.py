@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 from support.hf_reference import hf_greedy
+from support.serve import generate_all
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from expeditor.llm import LLM
@@ -21,7 +23,6 @@ from gpu_worker import tiny_model
 from gpu_worker.architectures import SUPPORTED, check_supported
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import ARCHS, make_tiny_model
-from ipc.client import AsyncClient
 from scheduler_svc.launch import running_server
 from shared.sampling import SamplingParams
 from shared.worker_settings import WorkerSettings
@@ -38,13 +39,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=NEW_ARCHS)
-def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def built(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]):
     arch = request.param
-    path = make_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
+    path = tiny_checkpoint(arch)
     return arch, path, AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-def test_every_arch_is_supported_and_its_checkpoint_complete(built) -> None:
+def test_every_arch_is_supported_and_its_checkpoint_complete(built, tmp_path: Path) -> None:
     arch, path, model = built
     config = model.config
     assert config.model_type == ("gemma3_text" if arch == "gemma3" else arch)
@@ -53,7 +54,7 @@ def test_every_arch_is_supported_and_its_checkpoint_complete(built) -> None:
     weights = load_file(path / "model.safetensors")
     assert set(weights) == set(model.state_dict())  # nothing left at its init
     assert all(t.dtype == torch.float32 for t in weights.values())
-    again = make_tiny_model(path.parent / "again", arch=arch)
+    again = make_tiny_model(tmp_path / "again", arch=arch)
     assert (again / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
     assert json.loads((path / tiny_model.MARKER_NAME).read_text())["arch"] == arch
     if arch == "gemma2":
@@ -124,10 +125,12 @@ def test_unsupported_checkpoints_are_refused_before_loading_weights(
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "granite"])
-def test_logprobs_follow_the_models_own_head(arch: str, tmp_path: Path) -> None:
+def test_logprobs_follow_the_models_own_head(
+    arch: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
     """Final-logit soft-capping (Gemma) and logit scaling (Granite) happen after the
     LM head: the engine's logprobs must be transformers' log-softmax of its logits."""
-    path = make_tiny_model(tmp_path / arch, arch=arch)
+    path = tiny_checkpoint(arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = PROMPTS[1]
     with torch.no_grad():
@@ -142,24 +145,16 @@ def test_logprobs_follow_the_models_own_head(arch: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
-def test_serve_greedy_equals_transformers(arch: str, tmp_path: Path) -> None:
-    path = make_tiny_model(tmp_path / arch, arch=arch)
+def test_serve_greedy_equals_transformers(
+    arch: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    path = tiny_checkpoint(arch)
     expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
-
-    async def run(address: str) -> list[list[int]]:
-        async with AsyncClient(address, timeout=120) as client:
-            done = await asyncio.gather(
-                *(
-                    client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                    for p in PROMPTS
-                )
-            )
-        return [c.token_ids for c in done]
 
     # Small blocks and token budget: chunked prefill across window boundaries.
     flags = ("--block-size", "8", "--max-num-batched-tokens", "24", "--num-gpu-blocks", "64")
     with running_server(path, *flags) as (address, _):
-        assert asyncio.run(run(address)) == expected
+        assert asyncio.run(generate_all(address, PROMPTS, MAX_TOKENS, timeout=120)) == expected
 
 
 def test_make_tiny_model_offers_every_arch(tmp_path: Path) -> None:

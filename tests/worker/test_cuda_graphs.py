@@ -25,7 +25,6 @@ from gpu_worker.cuda_graphs import (
 )
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.step_inputs import StepInputs
-from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
 from shared.worker_settings import WorkerSettings
 
@@ -33,8 +32,8 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+def checkpoint(model: Path) -> Path:
+    return model  # the session's tiny llama (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ import torch
 from transformers import AutoTokenizer
 
 from expeditor.llm import LLM
-from gpu_worker.tiny_model import BOS_ID, make_tiny_model
+from gpu_worker.tiny_model import BOS_ID
 from scheduler_svc.core.request import RejectedError
 from shared.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+def checkpoint(model: Path) -> Path:
+    return model  # the session's tiny llama (tests/conftest.py)
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import torch
 from support.paths import REPO
 
 from expeditor.llm import LLM
-from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
 
 ROOT = REPO
@@ -31,8 +30,8 @@ BLOCKING_METHODS = ("tolist", "item", "cpu", "numpy")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+def checkpoint(model: Path) -> Path:
+    return model  # the session's tiny llama (tests/conftest.py)
 
 
 @pytest.fixture
