@@ -2,7 +2,7 @@
 
 :meth:`Sampler.sample` picks exactly one token per row of a ``[R, V]`` logits tensor
 (the caller expands a request with ``n > 1`` into ``n`` rows, each with its own
-generator). For every row ``r`` it applies, in this order:
+sample index, hence its own key in step 7). For every row ``r`` it applies, in this order:
 
 1. **Masking.** ``masked_token_ids[r]`` (ids ``>= V`` are ignored) get logit ``-inf``.
    The caller passes EOS and the stop token ids while a request is below
