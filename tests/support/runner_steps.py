@@ -5,6 +5,7 @@ compare the hidden states and greedy tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,8 @@ from ipc.schema import BatchPlan, NewSeq
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from gpu_worker.model_runner import ModelRunner
 
 BLOCK = 8
@@ -84,3 +87,22 @@ def agrees_with(sampled: dict[str, list[int]], expected: list[list[int]]) -> boo
         got[: len(want)] == want[: len(got)]
         for got, want in zip(sampled.values(), expected, strict=True)
     )
+
+
+def step_runner(
+    path: Path, model_impl: str, group: dist.ProcessGroup | None = None, **fields: object
+) -> ModelRunner:
+    """A float32 CPU runner of ``path`` sized for :data:`STEPS` (``fields``: more
+    settings, e.g. ``max_num_seqs``)."""
+    from gpu_worker.model_runner import ModelRunner
+    from shared.worker_settings import WorkerSettings
+
+    settings = WorkerSettings.of(
+        model=str(path),
+        block_size=BLOCK,
+        max_num_batched_tokens=256,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        model_impl=model_impl,
+        **fields,
+    )
+    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32, group=group)

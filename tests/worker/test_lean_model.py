@@ -13,16 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support.hf_reference import hf_greedy
-from support.runner_steps import BLOCK, NUM_GPU_BLOCKS, PROMPTS, STEPS, agrees_with, run_steps
+from support.runner_steps import PROMPTS, STEPS, agrees_with, run_steps, step_runner
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from expeditor.llm import LLM
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder, why_not_lean
-from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import SLIDING_WINDOW
 from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
-from shared.worker_settings import WorkerSettings
 
 WINDOWS = {
     "llama": [None, None],
@@ -38,26 +36,15 @@ def checkpoint(tiny_checkpoint: Callable[[str], Path]) -> Callable[[str], Path]:
     return tiny_checkpoint  # one per arch for the whole session (tests/conftest.py)
 
 
-def _runner(path: Path, model_impl: str) -> ModelRunner:
-    settings = WorkerSettings.of(
-        model=str(path),
-        block_size=BLOCK,
-        max_num_batched_tokens=256,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        model_impl=model_impl,
-    )
-    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
-
-
 @pytest.mark.parametrize("arch", LEAN_TYPES)
 def test_lean_forward_equals_transformers_forward(
     arch: str, checkpoint: Callable[[str], Path]
 ) -> None:
     path = checkpoint(arch)
-    lean = _runner(path, "auto")
+    lean = step_runner(path, "auto")
     assert lean.lean is not None and lean.model_impl_note == f"lean (model type {arch!r})"
     assert [layer.window for layer in lean.lean.layers] == WINDOWS[arch]
-    plain = _runner(path, "transformers")
+    plain = step_runner(path, "transformers")
     assert plain.lean is None
     lean_hidden, lean_tokens = run_steps(lean)
     plain_hidden, plain_tokens = run_steps(plain)
@@ -73,7 +60,7 @@ def test_lean_forward_equals_transformers_forward(
 def test_other_architectures_keep_transformers_forward(
     checkpoint: Callable[[str], Path],
 ) -> None:
-    runner = _runner(checkpoint("phi3"), "auto")
+    runner = step_runner(checkpoint("phi3"), "auto")
     assert runner.lean is None
     assert runner.model_impl_note.startswith("transformers (model type 'phi3'")
     with LLM(
@@ -93,7 +80,7 @@ def test_a_dynamic_rope_keeps_transformers_forward(
     config = json.loads((path / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (path / "config.json").write_text(json.dumps(config))
-    runner = _runner(path, "auto")
+    runner = step_runner(path, "auto")
     assert runner.lean is None
     assert "rope type 'dynamic'" in runner.model_impl_note
 
@@ -167,7 +154,7 @@ def test_a_bad_model_impl_is_refused(checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(
         ValueError, match="model_impl: must be one of 'auto', 'transformers', got 'lean'"
     ):
-        _runner(checkpoint("llama"), "lean")
+        step_runner(checkpoint("llama"), "lean")
     with pytest.raises(ConfigError, match="model_impl: must be one of") as info:
         ServerConfig(model_impl="lean")  # type: ignore[arg-type]
     assert info.value.field == "model_impl"

@@ -15,19 +15,17 @@ import pytest
 import torch
 from support.hf_reference import Oracle
 from support.runner_steps import (
-    BLOCK,
-    NUM_GPU_BLOCKS,
     PROMPTS,
     SEQ_BLOCKS,
     STEPS,
     agrees_with,
     run_steps,
+    step_runner,
 )
 
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder
 from gpu_worker.model_runner import ModelRunner
-from shared.worker_settings import WorkerSettings
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 MAX_NUM_SEQS = 4
@@ -77,15 +75,7 @@ def _cuda_path_runner(
     """A runner set up as on CUDA: the Triton backend, and with ``graphs`` its decode
     graphs captured as the runner captures them on CUDA (same forward, same plans), every
     decode step graphed (no split-KV decodes, which need the device's SM count)."""
-    settings = WorkerSettings.of(
-        model=str(path),
-        block_size=BLOCK,
-        max_num_batched_tokens=256,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        max_num_seqs=MAX_NUM_SEQS,
-        model_impl=model_impl,
-    )
-    runner = ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32)
+    runner = step_runner(path, model_impl, max_num_seqs=MAX_NUM_SEQS)
     backend = runner.attention_backend
     assert backend.name == "triton" and backend.capturable
     monkeypatch.setattr(backend, "graph_runs", lambda arrays: True)

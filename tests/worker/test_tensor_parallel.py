@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from support.hf_reference import hf_greedy
-from support.runner_steps import BLOCK, NUM_GPU_BLOCKS, PROMPTS, agrees_with, run_steps
+from support.runner_steps import PROMPTS, agrees_with, run_steps, step_runner
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -34,10 +34,8 @@ from transformers import (
 )
 
 from gpu_worker.lean_model import LEAN_TYPES
-from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tensor_parallel import TP_ARCHS, check_tp_supported, local_kv_heads, shard_model
 from scheduler_svc.launch import free_port
-from shared.worker_settings import WorkerSettings
 
 WORLD = 2
 BIASED = "llama_bias"  # llama with a bias on every projection, o_proj/down_proj included
@@ -119,6 +117,23 @@ def _make_biased(path: Path, base: Path) -> None:
     model.save_pretrained(path)
 
 
+def _on_ranks(
+    worker: Callable[..., None], paths: dict[str, Path], out: Path, names: Iterable[str]
+) -> dict[str, list[Any]]:
+    """``worker(rank, port, paths, out)`` on :data:`WORLD` processes; what each rank saved
+    for each name (``out/{name}-{rank}.pt``)."""
+    mp.spawn(
+        worker,
+        args=(free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
+        nprocs=WORLD,
+        join=True,
+    )
+    return {
+        name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
+        for name in names
+    }
+
+
 @pytest.fixture(scope="module")
 def sharded(
     tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
@@ -132,17 +147,7 @@ def sharded(
     _make_biased(paths[BIASED], paths["llama"])
     out = root / "out"
     out.mkdir()
-    mp.spawn(
-        _worker,
-        args=(free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
-        nprocs=WORLD,
-        join=True,
-    )
-    results = {
-        name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
-        for name in CASES
-    }
-    return {"paths": paths, "results": results}
+    return {"paths": paths, "results": _on_ranks(_worker, paths, out, CASES)}
 
 
 def _expected_bytes(model: torch.nn.Module) -> int:
@@ -218,17 +223,6 @@ TRITON = "llama_triton"  # the llama again, on the Triton path (EXPEDITOR_FORCE_
 IMPLS = ("auto", "transformers")
 
 
-def _step_runner(path: Path, model_impl: str, group: dist.ProcessGroup | None) -> ModelRunner:
-    settings = WorkerSettings.of(
-        model=str(path),
-        block_size=BLOCK,
-        max_num_batched_tokens=256,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        model_impl=model_impl,
-    )
-    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32, group=group)
-
-
 def _runner_worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
     """Each case through a runner of each model_impl in the group: which forward ran,
     the steps' hidden states and greedy tokens."""
@@ -246,7 +240,7 @@ def _runner_worker(rank: int, port: int, paths: dict[str, str], out: str) -> Non
                 os.environ["EXPEDITOR_FORCE_TRITON"] = "1"
             result: dict[str, Any] = {}
             for impl in IMPLS:
-                runner = _step_runner(Path(path), impl, dist.group.WORLD)
+                runner = step_runner(Path(path), impl, dist.group.WORLD)
                 hidden, tokens = run_steps(runner)
                 result[impl] = {
                     "lean": runner.lean is not None,
@@ -266,17 +260,7 @@ def runners(sharded: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     paths = {name: sharded["paths"][name] for name in LEAN_CASES}
     paths[TRITON] = paths["llama"]
     out = tmp_path_factory.mktemp("tp-runners")
-    mp.spawn(
-        _runner_worker,
-        args=(free_port(), {n: str(p) for n, p in paths.items()}, str(out)),
-        nprocs=WORLD,
-        join=True,
-    )
-    results = {
-        name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
-        for name in paths
-    }
-    return {"paths": paths, "results": results}
+    return {"paths": paths, "results": _on_ranks(_runner_worker, paths, out, paths)}
 
 
 @pytest.mark.parametrize("name", [*LEAN_CASES, TRITON])
@@ -286,7 +270,7 @@ def test_the_lean_forward_runs_on_every_rank_and_is_exact(
     path = runners["paths"][name]
     if name == TRITON:
         monkeypatch.setenv("EXPEDITOR_FORCE_TRITON", "1")
-    alone = _step_runner(path, "transformers", None)  # unsharded, transformers' forward
+    alone = step_runner(path, "transformers", None)  # unsharded, transformers' forward
     reference, reference_tokens = run_steps(alone)
     heads = alone.config.num_attention_heads // WORLD
     model_type = alone.config.model_type
