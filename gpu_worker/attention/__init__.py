@@ -16,16 +16,10 @@ window (keys k > position - window) and soft-capping (scores become
 ``softcap * tanh(score / softcap)``). Rows outside every sequence (the runner makes
 none) are zero on the CPU backends, unspecified on Triton.
 
-The backends, one module each:
-
-* ``triton`` (:mod:`.triton_backend`): the Triton kernels of :mod:`gpu_worker.kernels`;
-  its plan is the step's launch schedule, made without reading the device, so a decode
-  step costs one host sync and can be captured in a CUDA graph;
-* ``native`` (:mod:`.native_backend`): a C kernel compiled once per machine (float32
-  CPU workers): decodes and short chunks straight from the block tables, long prompt
-  chunks through the torch backend's SDPA groups;
-* ``torch`` (:mod:`.torch_backend`): plain torch, simple and exact: the fallback and the
-  reference every other backend is tested against.
+The backends, one module each, with its design: ``triton`` (:mod:`.triton_backend`,
+CUDA), ``native`` (:mod:`.native_backend`, a C kernel for float32 CPU workers) and
+``torch`` (:mod:`.torch_backend`, plain torch: the fallback, and the reference every
+other backend is tested against).
 
 :func:`choose_backend` picks one at worker start-up from the device, the dtype and what
 the machine has, and says why; nothing in the step path reads the environment.
@@ -50,9 +44,8 @@ if TYPE_CHECKING:
 ATTN_IMPLEMENTATION = "expeditor_paged"
 log = logging.getLogger("expeditor.worker")
 StepArrays = Mapping[str, np.ndarray]
-"""A step's host arrays (``StepInputs.host_arrays``): ``slot_mapping`` (int64 per token,
--1: not stored), ``block_tables`` [seqs, width], ``seq_lens`` (keys after the step) and
-``query_start_loc`` [seqs + 1]."""
+"""A step's host arrays (``StepInputs.host_arrays``): :class:`StepMetadata`'s first four
+fields, in numpy (slot -1: not stored)."""
 
 
 @dataclass(slots=True)
@@ -89,17 +82,9 @@ class AttentionBackend:
         ``num_blocks``: the cache's; ``capture``: for a graph's fixed launches."""
         raise NotImplementedError
 
-    def forward(
-        self,
-        meta: StepMetadata,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int,
-        softcap: float,
-    ) -> torch.Tensor:
+    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, window: int,
+                softcap: float) -> torch.Tensor:  # fmt: skip
         """Store the layer's new ``k``/``v`` [tokens, kv_heads, head_dim], then attend:
         ``q`` [tokens, heads, head_dim] -> the same shape (``window``/``softcap`` 0: none)."""
         raise NotImplementedError
@@ -112,16 +97,10 @@ class AttentionBackend:
         """Compile what the layers of these (window, softcap) kinds will run (if anything)."""
 
 
-def check_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> tuple[int, float]:
+def check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+               window: int | None = None,
+               softcap: float | None = None) -> tuple[int, float]:  # fmt: skip
     """Raise ``ValueError`` unless the shapes fit paged attention's; returns
     ``(window, softcap)`` with 0 for none (``window`` an int >= 1, ``softcap`` a finite
     float > 0, or None / 0)."""
@@ -155,16 +134,9 @@ def _number(value: object, kind: type) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
 
 
-def attend(
-    meta: StepMetadata,
-    layer: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scaling: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def attend(meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scaling: float, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """One layer's attention through the step's backend (views will do for q, k, v)."""
     key_cache, value_cache = meta.layer_caches[layer]
     window, softcap = check_args(
@@ -174,16 +146,10 @@ def attend(
     return meta.backend.forward(meta, layer, q, k, v, scaling, window, softcap)
 
 
-def expeditor_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def expeditor_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention interface over :func:`attend`: query [1, heads, tokens,
     head_dim], key/value [1, kv_heads, tokens, head_dim]."""
     meta: StepMetadata | None = kwargs.get("expeditor_meta")
@@ -205,10 +171,7 @@ def register() -> str:
 
 
 def choose_backend(
-    device: torch.device,
-    layout: CacheLayout,
-    num_heads: int,
-    env: Mapping[str, str] = os.environ,
+    device: torch.device, layout: CacheLayout, num_heads: int, env: Mapping[str, str] = os.environ
 ) -> tuple[AttentionBackend, str]:
     """The worker's backend and why (logged): Triton on CUDA (or anywhere with
     ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
@@ -218,25 +181,25 @@ def choose_backend(
 
     device = torch.device(device)
     forced = env.get("EXPEDITOR_FORCE_TRITON") == "1"
+    backend: AttentionBackend | None = None
     if forced or device.type == "cuda":
         from gpu_worker.attention import triton_backend
 
         why = triton_backend.unusable(device)
         if why is None:
             reason = "EXPEDITOR_FORCE_TRITON=1" if forced else "CUDA"
-            return _chosen(triton_backend.TritonBackend(layout, num_heads, device), reason)
-        reason = f"Triton unusable: {why}"
+            backend = triton_backend.TritonBackend(layout, num_heads, device)
+        else:
+            reason = f"Triton unusable: {why}"
     elif env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
         reason = "EXPEDITOR_NATIVE_CPU=0"
     else:
         kernels, why = native_backend.load(device, layout, num_heads)
-        if kernels is not None:
-            native = native_backend.NativeBackend(layout, num_heads, device, kernels)
-            return _chosen(native, kernels.path.name)
-        reason = f"no native kernel: {why}"
-    return _chosen(torch_backend.TorchBackend(layout, num_heads, device), reason)
-
-
-def _chosen(backend: AttentionBackend, reason: str) -> tuple[AttentionBackend, str]:
+        if kernels is None:
+            reason = f"no native kernel: {why}"
+        else:
+            reason = kernels.path.name
+            backend = native_backend.NativeBackend(layout, num_heads, device, kernels)
+    backend = backend or torch_backend.TorchBackend(layout, num_heads, device)
     log.info("attention: %s backend (%s)", backend.name, reason)
     return backend, reason

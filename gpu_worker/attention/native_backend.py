@@ -54,28 +54,24 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 def _compiler() -> str | None:
-    return next(
-        (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
-    )
+    names = (os.environ.get("CC"), "cc", "gcc", "clang")
+    return next((c for c in names if c and shutil.which(c)), None)
 
 
-def _version(compiler: str) -> str:
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{command[0]} did not run: {exc}") from None
 
 
 def _cpu_id() -> bytes:
-    """What ``-march=native`` compiled for: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
+    """What ``-march=native`` compiled for: the machine, the CPU's model and feature flags."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
     wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+    kept = sorted({line for line in lines if line.startswith(wanted)})
+    return "\n".join([platform.machine(), platform.processor(), *kept]).encode()
 
 
 def build(directory: Path | None = None) -> Path:
@@ -84,31 +80,24 @@ def build(directory: Path | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
     directory = directory or cache_dir() / "kernels"
+    version = _run([compiler, "--version"], 30).stdout.encode()
     errors = []
     for flags in ((*FLAGS, *TUNE), FLAGS):
-        parts = [SOURCE.read_bytes(), " ".join(flags).encode(), _version(compiler).encode()]
-        key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode(), _cpu_id()]))
-        target = directory / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+        key = b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, _cpu_id()])
+        target = directory / f"paged_attention_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
         os.close(fd)
         try:
-            try:
-                done = subprocess.run(
-                    [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
-                    capture_output=True, text=True, timeout=300,
-                )  # fmt: skip
-            except (OSError, subprocess.SubprocessError) as exc:
-                raise RuntimeError(f"{compiler} did not run: {exc}") from None
+            done = _run([compiler, *flags, "-o", partial, str(SOURCE), "-lm"], 300)
             if done.returncode == 0:
                 os.replace(partial, target)
                 return target
             errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-500:]}")
         finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+            Path(partial).unlink(missing_ok=True)
     raise RuntimeError("the C compiler failed: " + " | ".join(errors))
 
 
@@ -127,8 +116,7 @@ class NativeKernels:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slots: torch.Tensor) -> None:  # fmt: skip
-        """``k[t]``/``v[t]`` [tokens, kv_heads, head_dim] to slot ``slots[t]`` (int64
-        contiguous; < 0: none)."""
+        """``k[t]``/``v[t]`` to slot ``slots[t]`` (int64, contiguous; < 0: none)."""
         self._store(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
@@ -177,15 +165,13 @@ class NativeStep:
     tables: torch.Tensor
     lens: torch.Tensor
     starts: torch.Tensor
-    """int32 ``block_tables``, ``seq_lens`` and ``query_start_loc`` (checked)."""
     slots: torch.Tensor
-    """int64 ``slot_mapping``."""
+    """int32 ``block_tables``, ``seq_lens``, ``query_start_loc``; int64 ``slot_mapping``."""
     all_seqs: torch.Tensor
-    """int64: every sequence with query rows (a soft-capped layer's kernel call)."""
+    """Every sequence with query rows (a soft-capped layer's kernel call)."""
     kernel_seqs: torch.Tensor
-    """int64: those with at most :data:`PROMPT_ROWS` query rows."""
+    """Those with at most :data:`PROMPT_ROWS` rows; the others: ``groups`` (torch's)."""
     groups: list[Group]
-    """The others, the torch backend's groups."""
     covered: bool
     """Every token is a sequence's query row."""
 
@@ -240,17 +226,9 @@ class NativeBackend(AttentionBackend):
             covered=first == 0 and last == slots.shape[0],
         )  # fmt: skip
 
-    def forward(
-        self,
-        meta: StepMetadata,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int,
-        softcap: float,
-    ) -> torch.Tensor:
+    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, window: int,
+                softcap: float) -> torch.Tensor:  # fmt: skip
         step: NativeStep = meta.plan
         key_cache, value_cache = meta.layer_caches[layer]
         inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)

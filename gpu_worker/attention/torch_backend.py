@@ -55,14 +55,8 @@ class Group:
         return self.masks[window]
 
 
-def plan_groups(
-    arrays: StepArrays,
-    block_size: int,
-    kv_row: int,
-    device: torch.device,
-    seqs: np.ndarray | None = None,
-    own: bool = True,
-) -> list[Group]:
+def plan_groups(arrays: StepArrays, block_size: int, kv_row: int, device: torch.device,
+                seqs: np.ndarray | None = None, own: bool = True) -> list[Group]:  # fmt: skip
     """The groups of sequences ``seqs`` (indices, None: all; those without rows or keys
     left out) of a step's host arrays; ``own``: whole prompts read the step's K/V rows."""
     starts, lens, tables = (
@@ -91,32 +85,14 @@ def plan_groups(
             blocks = _tensor(np.where(used, tables[group, :width], 0), device)
             past = np.arange(keys) >= glens[:, None]
             stale = _tensor(past[:, :, None, None], device) if past.any() else None
-        lens_t = _tensor(glens[:, None, None], device)
-        groups.append(
-            Group(
-                _tensor(rows, device),
-                _tensor(q_pos[:, :, None], device),
-                lens_t,
-                keys,
-                blocks,
-                stale,
-            )
-        )
+        rows_t, q_pos_t, lens_t = (_tensor(x, device) for x in (rows, q_pos[:, :, None], glens))
+        groups.append(Group(rows_t, q_pos_t, lens_t[:, None, None], keys, blocks, stale))
     return groups
 
 
-def attend_group(
-    g: Group,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> None:
+def attend_group(g: Group, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, window: int,
+                 softcap: float) -> None:  # fmt: skip
     """One group's attention into its rows of ``out`` (the layer's new K/V stored)."""
     n, m = g.rows.shape
     rows = g.rows.view(-1)
@@ -133,10 +109,8 @@ def attend_group(
     out.index_copy_(0, rows, attn.reshape(n * m, *q.shape[1:]))
 
 
-def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float,
-) -> torch.Tensor:  # fmt: skip
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float, softcap: float) -> torch.Tensor:  # fmt: skip
     """q [n, m, heads, d], k/v [n, keys, kv_heads, d], mask [n, m, keys] (None: causal)
     -> [n, m, heads, d] in q's dtype."""
     if mask is None or not softcap:
@@ -160,10 +134,10 @@ def _attention(
 
 @dataclass(slots=True)
 class TorchStep:
-    store: tuple[torch.Tensor, torch.Tensor] | None
-    """(block, offset) of each token with a slot; None when none has."""
+    store: tuple[torch.Tensor, torch.Tensor]
+    """(block, offset) of each token with a slot."""
     stored: torch.Tensor | None
-    """The tokens with a slot, None when every token has one."""
+    """Those tokens, None when every token has a slot."""
     groups: list[Group]
 
 
@@ -177,44 +151,26 @@ class TorchBackend(AttentionBackend):
         store = (_tensor(slots[kept] // bs, device), _tensor(slots[kept] % bs, device))
         stored = None if kept.size == slots.size else _tensor(kept, device)
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
-        groups = plan_groups(arrays, bs, kv_row, device)
-        return TorchStep(store if kept.size else None, stored, groups)
+        return TorchStep(store, stored, plan_groups(arrays, bs, kv_row, device))
 
-    def forward(
-        self,
-        meta: StepMetadata,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int,
-        softcap: float,
-    ) -> torch.Tensor:
+    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, window: int,
+                softcap: float) -> torch.Tensor:  # fmt: skip
         step: TorchStep = meta.plan
         key_cache, value_cache = meta.layer_caches[layer]
-        if step.store is not None:
-            kept_k, kept_v = (x if step.stored is None else x[step.stored] for x in (k, v))
-            key_cache.index_put_(step.store, kept_k.to(key_cache.dtype))
-            value_cache.index_put_(step.store, kept_v.to(value_cache.dtype))
+        kept_k, kept_v = (x if step.stored is None else x[step.stored] for x in (k, v))
+        key_cache.index_put_(step.store, kept_k.to(key_cache.dtype))
+        value_cache.index_put_(step.store, kept_v.to(value_cache.dtype))
         out = torch.zeros_like(q)
         for g in step.groups:
             attend_group(g, out, q, k, v, key_cache, value_cache, scale, window, softcap)
         return out
 
 
-def paged_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, *, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """The torch backend's attention over a cache that holds every key already (the
     tests' oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)

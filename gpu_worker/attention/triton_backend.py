@@ -64,17 +64,9 @@ class TritonBackend(AttentionBackend):
             q_lens, arrays["seq_lens"], num_kv_heads=kv_heads, num_sms=sms
         ).any()
 
-    def forward(
-        self,
-        meta: StepMetadata,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int,
-        softcap: float,
-    ) -> torch.Tensor:
+    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, window: int,
+                softcap: float) -> torch.Tensor:  # fmt: skip
         key_cache, value_cache = meta.layer_caches[layer]
         store_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping)
         return paged_attention_triton(

@@ -1,15 +1,11 @@
-/* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py),
- * float32, straight from the block tables: for each sequence and KV head, the query
- * vectors of its query heads attend over the keys block by block, each key and value row
- * read once for all of them, with an online softmax. Row i of a sequence with L keys and
- * n query rows sits at position p = L - n + i and sees keys k <= p (and, window w > 0,
- * k > p - w); softcap c > 0 makes the scores c * tanh(score / c). Layouts: q[t, h, d] at
- * q + t * q_tok + h * q_head + d, out likewise; caches [blocks, block_size, kv_heads,
- * head_dim], block_stride floats apart, contiguous within a block; tables[s, j] (int32,
- * table_stride apart); seq_lens and query_start_loc int32; seqs (int64) the sequences to
+/* Paged attention for the native CPU backend, float32 (gpu_worker/attention/native_backend.py
+ * has the design): per sequence and KV head, its query vectors attend block by block with
+ * an online softmax. Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise;
+ * caches [blocks, block_size, kv_heads, head_dim], block_stride floats apart, contiguous
+ * within a block; tables[s, j] int32, table_stride apart; seqs (int64) the sequences to
  * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
- * intrinsics (a polynomial exponential, relative error about 2e-7); elsewhere plain C of
- * the same arithmetic. The caller has checked every index. */
+ * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C.
+ * The caller has checked every index. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,28 +20,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 
-/* exp(x) for x <= 0 (what a softmax needs after subtracting the max); 0 below -87. */
-static inline float exp_nonpositive(float x) {
-    const float below = x < -87.0f ? 0.0f : 1.0f;
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f * below;
-}
-
 #if HAVE_AVX2
 /* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once. */
 static inline __m256 sum8(const __m256 *a) {
@@ -55,7 +29,7 @@ static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* exp_nonpositive on eight lanes. */
+/* exp(x) on eight lanes for x <= 0 (a softmax after subtracting the max); 0 below -87. */
 static inline __m256 exp8(__m256 x) {
     const __m256 floor_x = _mm256_set1_ps(-87.0f);
     const __m256 below = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
@@ -102,13 +76,8 @@ static inline __attribute__((always_inline)) void block_scores(
         const float *k = kb + j * key_row;
         for (int64_t r = 0; r < nv; r++) {
             const float *qr = qv + r * head_dim;
-            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t d = 0;
-            for (; d + 8 <= head_dim; d += 8)
-                for (int t = 0; t < 8; t++) lanes[t] += qr[d + t] * k[d + t];
-            float x = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                      ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            for (; d < head_dim; d++) x += qr[d] * k[d];
+            float x = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) x += qr[d] * k[d];
             scores[r * score_row + j] = x;
         }
     }
@@ -132,7 +101,7 @@ static inline float exp_shifted(float *x, int64_t n, float top) {
             ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 #endif
     for (; j < n; j++) {
-        x[j] = exp_nonpositive(x[j] - top);
+        x[j] = expf(x[j] - top);
         total += x[j];
     }
     return total;
@@ -140,18 +109,8 @@ static inline float exp_shifted(float *x, int64_t n, float top) {
 
 /* The largest of x[0 .. n). */
 static inline float block_max(const float *x, int64_t n) {
-    int64_t j = 0;
     float top = -INFINITY;
-#if HAVE_AVX2
-    if (n >= 8) {
-        __m256 m = _mm256_loadu_ps(x);
-        for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m);
-        for (int t = 0; t < 8; t++) top = lanes[t] > top ? lanes[t] : top;
-    }
-#endif
-    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    for (int64_t j = 0; j < n; j++) top = x[j] > top ? x[j] : top;
     return top;
 }
 
@@ -207,31 +166,27 @@ static inline __attribute__((always_inline)) void attend_vectors(
     int64_t q0, int64_t first_pos, int64_t per_kv, int64_t kv, int64_t v0, int64_t nv,
     int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float softcap) {
-        float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
+    float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
     float scores_buf[MAX_VECTORS * block_size];
     float(*qv)[head_dim] = (float(*)[head_dim])qv_buf;
     float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
     float(*scores)[block_size] = (float(*)[block_size])scores_buf;
     float run_max[MAX_VECTORS], run_sum[MAX_VECTORS];
     int64_t row_pos[MAX_VECTORS];
-    int64_t lo = INT64_MAX, hi = -1, low_pos = INT64_MAX;
-    /* Spare rows past nv: block_values may run them (zero weights into zero sums). */
-    memset(acc_buf + nv * head_dim, 0, sizeof(float) * (MAX_VECTORS - nv) * head_dim);
-    memset(scores_buf + nv * block_size, 0, sizeof(float) * (MAX_VECTORS - nv) * block_size);
+    /* Rows grow with the vectors: the first has the lowest position, the last the highest. */
+    const int64_t low_pos = first_pos + v0 / per_kv, hi = first_pos + (v0 + nv - 1) / per_kv;
+    const int64_t lo = window > 0 && low_pos - window + 1 > 0 ? low_pos - window + 1 : 0;
+    /* Spare rows past nv too: block_values may run them (zero weights into zero sums). */
+    memset(acc_buf, 0, sizeof(acc_buf));
+    memset(scores_buf, 0, sizeof(scores_buf));
     for (int64_t r = 0; r < nv; r++) {
         const int64_t vec = v0 + r, row = vec / per_kv;
         const int64_t head = kv * per_kv + vec % per_kv;
         const float *src = q + (q0 + row) * q_tok + head * q_head;
         for (int64_t d = 0; d < head_dim; d++) qv[r][d] = src[d] * scale;
-        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
         run_max[r] = -INFINITY;
         run_sum[r] = 0.0f;
         row_pos[r] = first_pos + row;
-        const int64_t from =
-            window > 0 && row_pos[r] - window + 1 > 0 ? row_pos[r] - window + 1 : 0;
-        if (from < lo) lo = from;
-        if (row_pos[r] > hi) hi = row_pos[r];
-        if (row_pos[r] < low_pos) low_pos = row_pos[r];
     }
     for (int64_t b = lo / block_size; b * block_size <= hi; b++) {
         const int64_t base = b * block_size;
@@ -269,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_vectors(
             const float new_max = top > run_max[r] ? top : run_max[r];
             const float alpha = run_max[r] == -INFINITY ? 0.0f
                                 : new_max == run_max[r] ? 1.0f
-                                                        : exp_nonpositive(run_max[r] - new_max);
+                                                        : expf(run_max[r] - new_max);
             run_max[r] = new_max;
             const float total = exp_shifted(scores[r], n_slots, new_max);
             run_sum[r] = run_sum[r] * alpha + total;

@@ -416,6 +416,20 @@ def test_builds_are_kept_per_kind_of_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     assert second != first and {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
 
 
+def test_the_portable_build_matches_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built without ``-march=native`` (x86-64's baseline has no AVX2), the kernel runs its
+    plain C loops: the same results, windows and soft-capping too."""
+    monkeypatch.setattr(native_backend, "TUNE", ())
+    portable = NativeKernels(native_backend.build(tmp_path))
+    monkeypatch.setattr(native_backend, "_loaded", lambda: portable)
+    for head_dim, block_size, window, softcap in ((20, 4, None, None), (32, 16, 9, 3.0)):
+        kv, meta, layers = make_step(mixed_seqs(head_dim, 120), 2, 2, head_dim, block_size, 7)
+        check_native(kv, meta, layers, 2, window, softcap)
+        assert meta.backend.kernels is portable  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_engine_greedy_is_the_same_either_way(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
