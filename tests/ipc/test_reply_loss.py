@@ -15,8 +15,8 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from support.limits import SAFETY_S
 from support.frontend_bench import Bench, running_frontend
+from support.limits import SAFETY_S
 
 from ipc.async_client import AsyncClient, RepliesLostError
 from ipc.schema import (

@@ -16,8 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 from starlette.requests import Request
-from support.limits import SAFETY_S
 from support.frontend_bench import Bench, running_frontend
+from support.limits import SAFETY_S
 
 from expeditor.gateway.identity import check_priority, end_user
 from expeditor.gateway.protocol import GatewayRequestError
