@@ -196,21 +196,22 @@ def run_inprocess(
             if not llm.has_work():
                 time.sleep(max(0.0, min(0.01, start + pending[-1].arrival_s - now)))
                 continue
-            outcome = llm.step().outcome
+            output = llm.step()
             stamp = time.perf_counter()
-            for seq in outcome.advanced:
-                token_times[seq.request.request_id].append(stamp)
-            for request in outcome.finished_requests:
-                rid = request.request_id
+            for rid, sample, _, _ in output.tokens:
+                if sample == 0:  # the workloads' requests have one sample
+                    token_times[rid].append(stamp)
+            for rid in output.finished_requests:
                 llm.finished.pop(rid, None)
+                times = token_times.pop(rid)
                 timelines.append(
                     RequestTimeline(
                         request_id=rid,
                         arrival_s=arrivals[rid],
-                        token_times_s=token_times.pop(rid),
+                        token_times_s=times,
                         finish_s=stamp,
                         num_prompt_tokens=len(prompts[rid].prompt_token_ids),
-                        num_output_tokens=len(request.seqs[0].output_token_ids),
+                        num_output_tokens=len(times),
                     )
                 )
                 on_done()
