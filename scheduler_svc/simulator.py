@@ -192,7 +192,7 @@ class Simulation:
             plan = output.plan
             step_times.append(output.schedule_s + output.update_s)
 
-            generated += len(output.tokens)
+            generated += len(output.new_tokens)
             for request_id in output.finished_requests:
                 reason = requests[request_id].finish_reason
                 record_finished.append({"id": request_id, "reason": str(reason)})

@@ -469,7 +469,7 @@ class Scheduler(SequenceEnding):
         plain = not logprobs
         output = done.output
         assert output is not None  # made with the plan
-        advanced = output.tokens
+        advanced, new_tokens = output.advanced, output.new_tokens
         finished = SeqStatus.FINISHED
         for seq in done.sampling:
             seq.num_placeholders -= 1
@@ -483,7 +483,8 @@ class Scheduler(SequenceEnding):
                 token = tokens[0]
                 token_ids = seq.token_ids
                 token_ids.append(token)
-                advanced.append((seq.request.request_id, seq.sample_index, seq_id, token))
+                advanced.append(seq)
+                new_tokens.append(token)
                 if (
                     token in seq.stop_ids
                     and len(token_ids) - seq.num_prompt_tokens > seq.request.params.min_tokens
@@ -530,7 +531,8 @@ class Scheduler(SequenceEnding):
     def _append_token(self, seq: Sequence, token: int, output: StepOutput) -> None:
         token_ids = seq.token_ids
         token_ids.append(token)
-        output.tokens.append((seq.request.request_id, seq.sample_index, seq.seq_id, token))
+        output.advanced.append(seq)
+        output.new_tokens.append(token)
         # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
         # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.
         if (

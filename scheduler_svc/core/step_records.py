@@ -40,8 +40,9 @@ class StepOutput:
     """What one step produced: :meth:`Scheduler.update`'s return value, and what
     :meth:`StepEngine.step` returns (the output path's input).
 
-    Plain ids and values, taken when the result was applied: the output path may
-    process it while later steps change the sequences."""
+    Ids and values as they were when the result was applied: the output path may
+    process it while later steps change the sequences (a sequence's ids never change,
+    so :attr:`tokens` reads them from the sequences only when asked)."""
 
     plan: BatchPlan
     preempted: list[tuple[str, PreemptionMode]]
@@ -49,8 +50,10 @@ class StepOutput:
     swapped_in: list[str]
     prefix_hit_tokens: dict[str, int]
     """Sequence id -> prompt tokens found in the prefix cache, for those it admitted."""
-    tokens: list[tuple[str, int, str, int]] = field(default_factory=list)
-    """(request id, sample index, sequence id, new token), one a sequence that got one."""
+    advanced: list[Sequence] = field(default_factory=list)
+    """The sequences that got a token, in order (:attr:`tokens` has their ids)."""
+    new_tokens: list[int] = field(default_factory=list)
+    """The token each of :attr:`advanced` got."""
     finished_seqs: list[tuple[str, int, FinishReason]] = field(default_factory=list)
     """(request id, sample index, finish reason) of the samples it ended."""
     finished_requests: list[str] = field(default_factory=list)
@@ -73,6 +76,15 @@ class StepOutput:
     there); 0 = unknown, take ``time``."""
     time: float = 0.0
     """``time.monotonic()`` when its result was applied."""
+
+    @property
+    def tokens(self) -> list[tuple[str, int, str, int]]:
+        """(request id, sample index, sequence id, new token), one a sequence that got
+        one. Built on demand: ``update()`` only appends, which keeps it cheap."""
+        return [
+            (seq.request.request_id, seq.sample_index, seq.seq_id, token)
+            for seq, token in zip(self.advanced, self.new_tokens, strict=True)
+        ]
 
 
 @dataclass(slots=True)

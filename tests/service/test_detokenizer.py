@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer
@@ -48,7 +49,12 @@ def step_output(
             for rid, cached in scheduled or []
         ],
     )
-    return StepOutput(plan, [], [], {}, tokens, **fields)  # type: ignore[arg-type]
+    advanced = [  # what StepOutput.tokens reads of a sequence
+        SimpleNamespace(request=SimpleNamespace(request_id=rid), sample_index=index, seq_id=sid)
+        for rid, index, sid, _ in tokens
+    ]
+    new_tokens = [token for *_, token in tokens]
+    return StepOutput(plan, [], [], {}, advanced, new_tokens, **fields)  # type: ignore[arg-type]
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
