@@ -72,8 +72,8 @@ def _load(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
+def _join(rank: int, port: int) -> None:
+    """This process as ``rank`` of a :data:`WORLD`-rank gloo group on ``port``."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -81,6 +81,11 @@ def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
         world_size=WORLD,
         timeout=datetime.timedelta(seconds=120),
     )
+
+
+def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
+    torch.set_num_threads(1)
+    _join(rank, port)
     try:
         for name, path in paths.items():
             model = _load(Path(path))
@@ -227,13 +232,7 @@ def _runner_worker(rank: int, port: int, paths: dict[str, str], out: str) -> Non
     """Each case through a runner of each model_impl in the group: which forward ran,
     the steps' hidden states and greedy tokens."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    _join(rank, port)
     try:
         for name, path in paths.items():
             if name == TRITON:
