@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from gpu_worker.group import join_group
 from gpu_worker.model_runner import ModelRunner, resolve_device, use_device
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tiny_model import make_tiny_model
+from scheduler_svc.launch import free_port
 from shared.worker_settings import WorkerSettings
 
 PROMPT = [1, *range(40, 63)]  # BOS + 23 byte tokens
@@ -63,12 +63,6 @@ class RankReport:
     last_hidden: list[float]
     build_s: float
     generate_s: float
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:

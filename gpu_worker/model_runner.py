@@ -97,7 +97,6 @@ class ModelRunner:
         :class:`~gpu_worker.lean_model.LeanDecoder` where its model type has one (on any
         device, sharded or not), else through transformers' model code; ``transformers``
         always through transformers' model code."""
-        self.settings = settings
         limits, model_impl = settings.scheduler, settings.server.model_impl
         model_dir = Path(settings.server.model) if settings.server.model else default_model_dir()
         self.model_dir = model_dir
@@ -154,9 +153,7 @@ class ModelRunner:
             block_size=block_size,
             dtype=self.dtype,
         )
-        self.attention_backend, self.attention_note = attention.choose_backend(
-            device, self.layout, self.num_heads
-        )
+        self.attention_backend, _ = attention.choose_backend(device, self.layout, self.num_heads)
         """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
         num_gpu_blocks = limits.num_gpu_blocks
         if num_gpu_blocks is None and device.type != "cuda":

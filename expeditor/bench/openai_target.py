@@ -387,13 +387,12 @@ class _Failed(Exception):
 
 
 def _tokenizer(model: Path) -> Any:
-    from tokenizers import Tokenizer
+    from shared.tokenizer import load_tokenizer
 
-    path = model / "tokenizer.json"
     try:
-        return Tokenizer.from_file(str(path))
+        return load_tokenizer(model)
     except Exception as exc:  # the tokenizers library raises its own Exception type
-        raise TargetError(f"openai target, api=chat: cannot load {path}: {exc}") from None
+        raise TargetError(f"openai target, api=chat: cannot load {model}: {exc}") from None
 
 
 async def _drive(

@@ -198,9 +198,9 @@ def run_inprocess(
                 continue
             output = llm.step()
             stamp = time.perf_counter()
-            for rid, sample, _, _ in output.tokens:
-                if sample == 0:  # the workloads' requests have one sample
-                    token_times[rid].append(stamp)
+            for seq in output.advanced:
+                if seq.sample_index == 0:  # the workloads' requests have one sample
+                    token_times[seq.request.request_id].append(stamp)
             for rid in output.finished_requests:
                 llm.finished.pop(rid, None)
                 times = token_times.pop(rid)

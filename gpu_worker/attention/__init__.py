@@ -28,7 +28,6 @@ the machine has, and says why; nothing in the step path reads the environment.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 from transformers import AttentionInterface
+
+from gpu_worker.kernels.attention_args import check_args, layer_kind
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.warmup import CacheLayout  # the KV layout (kv_cache.KVLayout)
@@ -65,6 +66,8 @@ class StepMetadata:
     backend: AttentionBackend
     plan: Any
     """What ``backend.plan`` made of the step."""
+    checked: bool = False
+    """The step's shapes passed ``check_args`` (its first layer checks them)."""
 
 
 class AttentionBackend:
@@ -97,52 +100,16 @@ class AttentionBackend:
         """Compile what the layers of these (window, softcap) kinds will run (if anything)."""
 
 
-def check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               window: int | None = None,
-               softcap: float | None = None) -> tuple[int, float]:  # fmt: skip
-    """Raise ``ValueError`` unless the shapes fit paged attention's; returns
-    ``(window, softcap)`` with 0 for none (``window`` an int >= 1, ``softcap`` a finite
-    float > 0, or None / 0)."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"caches must be [blocks, block_size, kv_heads, head_dim], got {key_cache.shape}"
-        )
-    if key_cache.shape[3] != query.shape[2]:
-        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query {query.shape[2]}")
-    if query.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"num_heads {query.shape[1]} not a multiple of num_kv_heads")
-    seqs = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != seqs:
-        raise ValueError(f"block_tables must be [{seqs}, max_blocks], got {block_tables.shape}")
-    if query_start_loc.shape != (seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{seqs + 1}], got {query_start_loc.shape}")
-    if window is None and softcap is None:
-        return 0, 0.0
-    if window is not None and not (_number(window, int) and window >= 0):
-        raise ValueError(f"window must be an int >= 1 (or None/0 for none), got {window!r}")
-    if softcap is not None and not (_number(softcap, float) and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
-    return int(window or 0), float(softcap or 0.0)
-
-
-def _number(value: object, kind: type) -> bool:
-    """An int (numpy's too) for ``int``; also a float for ``float``; never a bool."""
-    kinds = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
-    return isinstance(value, kinds) and not isinstance(value, bool)
-
-
 def attend(meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scaling: float, window: int | None = None,
            softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """One layer's attention through the step's backend (views will do for q, k, v)."""
-    key_cache, value_cache = meta.layer_caches[layer]
-    window, softcap = check_args(
-        q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        window, softcap,
-    )  # fmt: skip
+    if not meta.checked:  # every layer's shapes are the first one's
+        key_cache, value_cache = meta.layer_caches[layer]
+        check_args(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                   meta.query_start_loc)  # fmt: skip
+        meta.checked = True
+    window, softcap = layer_kind(window, softcap)
     return meta.backend.forward(meta, layer, q, k, v, scaling, window, softcap)
 
 

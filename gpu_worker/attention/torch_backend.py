@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata, check_args
+from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
+from gpu_worker.kernels.attention_args import check_args
 
 GROUP_ELEMENTS = 1 << 23
 """Bound on a decode group's gathered K elements (unless one sequence alone is more)."""

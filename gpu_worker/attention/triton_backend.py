@@ -22,7 +22,7 @@ from gpu_worker.kernels.attention_schedule import (
     plan_attention,
     split_decodes,
 )
-from gpu_worker.kernels.paged_attention import paged_attention_triton
+from gpu_worker.kernels.paged_attention import launch_paged_attention
 from gpu_worker.kernels.store_kv import store_kv_triton
 from gpu_worker.kernels.warmup import warm_up
 
@@ -69,9 +69,9 @@ class TritonBackend(AttentionBackend):
                 softcap: float) -> torch.Tensor:  # fmt: skip
         key_cache, value_cache = meta.layer_caches[layer]
         store_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping)
-        return paged_attention_triton(
+        return launch_paged_attention(  # attend checked the arguments
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, window=window or None, softcap=softcap or None, schedule=meta.plan,
+            scale, window, softcap, meta.plan,
         )  # fmt: skip
 
     def warm_up(self, layer_kinds: Iterable[tuple[int | None, float | None]]) -> None:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.attention import check_args
+from gpu_worker.kernels.attention_args import check_args
 from gpu_worker.kernels.attention_schedule import (
     NUM_WARPS,
     AttentionSchedule,
@@ -270,6 +270,26 @@ def paged_attention_triton(
     window, cap = check_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, window, softcap
     )
+    return launch_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        window, cap, schedule,
+    )  # fmt: skip
+
+
+def launch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int,
+    cap: float,
+    schedule: AttentionSchedule | None,
+) -> torch.Tensor:
+    """:func:`paged_attention_triton` on arguments :func:`check_args` already passed
+    (``window``/``cap`` 0: none), as the Triton backend calls it."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query)
     if query.shape[0] == 0 or num_seqs == 0:
@@ -290,4 +310,4 @@ def paged_attention_triton(
     return out
 
 
-__all__ = ["paged_attention_triton", "schedule_for"]
+__all__ = ["launch_paged_attention", "paged_attention_triton", "schedule_for"]

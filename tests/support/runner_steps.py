@@ -28,7 +28,7 @@ PROMPTS = {
 STEPS: list[dict[str, int]] = [
     {"a": 31, "b": 6},  # prefill of two prompts of different lengths
     {"a": 1, "b": 1},
-    {"a": 1, "b": 1},  # an unchanged decode batch (the CPU plan's reuse)
+    {"a": 1, "b": 1},  # an unchanged decode batch
     {"a": 1, "b": 1, "c": 16},  # c's first chunk (nothing sampled) beside decodes
     {"a": 1, "b": 1, "c": 12},  # c's last chunk: it samples too
     {"a": 1, "b": 1, "c": 1},

@@ -1,5 +1,5 @@
 """The model implementation follows the model type, not the device: on the CUDA step path
-(the Triton kernels, here under the interpreter, no CPU plan or K/V reuse, decode steps
+(the Triton backend, here under the interpreter, decode steps
 replayed from CUDA graphs, the graphs faked) llama, mistral, qwen2 and qwen3 run the lean
 forward, the decode graphs capture the lean forward, every step reads the device once,
 and the hidden states and greedy tokens equal transformers'."""
