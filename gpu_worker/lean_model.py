@@ -53,6 +53,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from gpu_worker.attention import StepMetadata, attend
+from gpu_worker.kernels.attention_args import AttentionParams, layer_params
 
 __all__ = ["LEAN_TYPES", "LeanDecoder", "why_not_lean"]
 
@@ -80,8 +81,8 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
-    scaling: float
-    window: int | None
+    attention: AttentionParams
+    """Its scale and window (no soft-capping in these models)."""
 
 
 def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
@@ -201,8 +202,7 @@ class LeanDecoder:
             gate_up_bias=gate_up_bias,
             down=mlp.down_proj.weight.detach(),
             down_bias=_bias(mlp.down_proj),
-            scaling=float(attn.scaling),
-            window=window or None,
+            attention=layer_params(float(attn.scaling), window or None, None),
         )
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -249,13 +249,7 @@ class LeanDecoder:
             turned = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + turned * sin
             out = attend(
-                meta,
-                index,
-                qk[:, :heads],
-                qk[:, heads:],
-                qkv[:, rotated:],
-                layer.scaling,
-                layer.window,
+                meta, index, qk[:, :heads], qk[:, heads:], qkv[:, rotated:], layer.attention
             )
             x = x + self._row_parallel(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.post_norm)

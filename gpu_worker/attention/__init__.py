@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
+from torch import Tensor
 from transformers import AttentionInterface
 
-from gpu_worker.kernels.attention_args import check_args, layer_kind
+from gpu_worker.kernels.attention_args import AttentionParams, check_args, layer_params
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.warmup import CacheLayout  # the KV layout (kv_cache.KVLayout)
@@ -85,11 +86,11 @@ class AttentionBackend:
         ``num_blocks``: the cache's; ``capture``: for a graph's fixed launches."""
         raise NotImplementedError
 
-    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, scale: float, window: int,
-                softcap: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
+    ) -> Tensor:
         """Store the layer's new ``k``/``v`` [tokens, kv_heads, head_dim], then attend:
-        ``q`` [tokens, heads, head_dim] -> the same shape (``window``/``softcap`` 0: none)."""
+        ``q`` [tokens, heads, head_dim] -> the same shape."""
         raise NotImplementedError
 
     def graph_runs(self, arrays: StepArrays) -> bool:
@@ -100,23 +101,27 @@ class AttentionBackend:
         """Compile what the layers of these (window, softcap) kinds will run (if anything)."""
 
 
-def attend(meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           scaling: float, window: int | None = None,
-           softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
+) -> Tensor:
     """One layer's attention through the step's backend (views will do for q, k, v)."""
     if not meta.checked:  # every layer's shapes are the first one's
-        key_cache, value_cache = meta.layer_caches[layer]
-        check_args(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                   meta.query_start_loc)  # fmt: skip
+        tables = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        check_args(q, *meta.layer_caches[layer], *tables)
         meta.checked = True
-    window, softcap = layer_kind(window, softcap)
-    return meta.backend.forward(meta, layer, q, k, v, scaling, window, softcap)
+    return meta.backend.forward(meta, layer, q, k, v, p)
 
 
-def expeditor_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor, attention_mask: torch.Tensor | None,
-                        scaling: float | None = None, dropout: float = 0.0,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+def expeditor_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over :func:`attend`: query [1, heads, tokens,
     head_dim], key/value [1, kv_heads, tokens, head_dim]."""
     meta: StepMetadata | None = kwargs.get("expeditor_meta")
@@ -128,7 +133,7 @@ def expeditor_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     layer: int = module.layer_idx  # type: ignore[assignment]
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
-    return attend(meta, layer, q, k, v, scaling, window, softcap).unsqueeze(0), None
+    return attend(meta, layer, q, k, v, layer_params(scaling, window, softcap)).unsqueeze(0), None
 
 
 def register() -> str:

@@ -32,9 +32,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
-from gpu_worker.attention.torch_backend import Group, attend_group, plan_groups
+from gpu_worker.attention.torch_backend import Caches, Group, attend_group, plan_groups
+from gpu_worker.kernels.attention_args import AttentionParams
 from gpu_worker.kernels.warmup import CacheLayout
 from shared.paths import cache_dir
 
@@ -112,30 +114,34 @@ class NativeKernels:
         self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F]
         self._store = lib.expeditor_store_kv_f32
         self._store.restype = None
-        self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I]
+        self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:  # fmt: skip
+    def store_kv(self, k: Tensor, v: Tensor, caches: Caches, slots: Tensor) -> None:
         """``k[t]``/``v[t]`` to slot ``slots[t]`` (int64, contiguous; < 0: none)."""
+        cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
         self._store(
-            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
-            key_cache.shape[1], slots.data_ptr(), slots.shape[0], *key_cache.shape[2:],
-        )  # fmt: skip
+            *_rows(k), *_rows(v), *cache, slots.data_ptr(), len(slots), *caches[0].shape[1:]
+        )
 
-    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               step: NativeStep, seqs: torch.Tensor, out: torch.Tensor, scale: float,
-               window: int, softcap: float) -> None:  # fmt: skip
-        """Attention of sequences ``seqs`` of ``step`` into their rows of ``out``."""
-        rc = self._attend(
-            q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
-            key_cache.stride(0), out.data_ptr(), out.stride(0), out.stride(1),
-            step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr(),
-            step.starts.data_ptr(), seqs.data_ptr(), seqs.shape[0], q.shape[1],
-            key_cache.shape[2], key_cache.shape[3], key_cache.shape[1], scale, window, softcap,
-        )  # fmt: skip
-        if rc != 0:
+    def attend(
+        self, q: Tensor, caches: Caches, step: NativeStep, out: Tensor, p: AttentionParams
+    ) -> None:
+        """Attention of ``step``'s sequences into their rows of ``out``: those of at most
+        :data:`PROMPT_ROWS` query rows, or all in a soft-capped layer."""
+        seqs = step.all_seqs if p.softcap else step.kernel_seqs
+        if not len(seqs):
+            return
+        cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
+        tables = (step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr())
+        shape = (seqs.data_ptr(), len(seqs), q.shape[1], *caches[0].shape[1:])
+        args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
+        if self._attend(*args, p.scale, p.window, p.softcap):
             raise ValueError("native attention refused the shapes")
+
+
+def _rows(t: Tensor) -> tuple[int, int, int]:
+    """A [tokens, heads, head_dim] tensor for the kernel: its address and first strides."""
+    return t.data_ptr(), t.stride(0), t.stride(1)
 
 
 @functools.cache
@@ -201,8 +207,9 @@ def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
 class NativeBackend(AttentionBackend):
     name = "native"
 
-    def __init__(self, layout: CacheLayout, num_heads: int, device: torch.device,
-                 kernels: NativeKernels) -> None:  # fmt: skip
+    def __init__(
+        self, layout: CacheLayout, num_heads: int, device: torch.device, kernels: NativeKernels
+    ) -> None:
         super().__init__(layout, num_heads, device)
         self.kernels = kernels
 
@@ -216,21 +223,19 @@ class NativeBackend(AttentionBackend):
         slots = torch.from_numpy(np.ascontiguousarray(arrays["slot_mapping"], dtype=np.int64))
         first, last = (int(starts[0]), int(starts[-1])) if len(starts) else (0, 0)
         q_lens = np.diff(starts.numpy())
-        long = np.flatnonzero(q_lens > PROMPT_ROWS)
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
-        return NativeStep(
-            tables, lens, starts, slots,
-            all_seqs=torch.from_numpy(np.flatnonzero(q_lens > 0)),
-            kernel_seqs=torch.from_numpy(np.flatnonzero((q_lens > 0) & (q_lens <= PROMPT_ROWS))),
-            groups=plan_groups(arrays, block_size, kv_row, self.device, long),
-            covered=first == 0 and last == slots.shape[0],
-        )  # fmt: skip
+        long = np.flatnonzero(q_lens > PROMPT_ROWS)
+        groups = plan_groups(arrays, block_size, kv_row, self.device, long)
+        some, short = torch.from_numpy(q_lens > 0), torch.from_numpy(q_lens <= PROMPT_ROWS)
+        seqs = (some.nonzero().view(-1), (some & short).nonzero().view(-1))
+        covered = first == 0 and last == slots.shape[0]
+        return NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
 
-    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, scale: float, window: int,
-                softcap: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
+    ) -> Tensor:
         step: NativeStep = meta.plan
-        key_cache, value_cache = meta.layer_caches[layer]
+        key_cache, value_cache = caches = meta.layer_caches[layer]
         inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
         rows = (t.dtype == torch.float32 and t.stride(2) == 1 for t in (q, k, v))
         if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
@@ -238,12 +243,9 @@ class NativeBackend(AttentionBackend):
         layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
         if key_cache.dtype != torch.float32 or layout != (torch.float32, key_cache.stride(), inner):
             raise ValueError("native attention takes float32 caches, contiguous within a block")
-        self.kernels.store_kv(k, v, key_cache, value_cache, step.slots)
+        self.kernels.store_kv(k, v, caches, step.slots)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
-        groups = [] if softcap else step.groups
-        seqs = step.kernel_seqs if groups else step.all_seqs
-        if seqs.numel():
-            self.kernels.attend(q, key_cache, value_cache, step, seqs, out, scale, window, softcap)
-        for g in groups:
-            attend_group(g, out, q, k, v, key_cache, value_cache, scale, window, 0.0)
+        self.kernels.attend(q, caches, step, out, p)
+        for g in () if p.softcap else step.groups:
+            attend_group(g, out, q, k, v, caches, p)
         return out

@@ -19,14 +19,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
-from gpu_worker.kernels.attention_args import check_args
+from gpu_worker.kernels.attention_args import AttentionParams, check_args, layer_params
 
 GROUP_ELEMENTS = 1 << 23
 """Bound on a decode group's gathered K elements (unless one sequence alone is more)."""
 SCORE_ELEMENTS = 1 << 24
 """Bound on the float32 scores the soft-capped attention holds at once."""
+Caches = tuple[Tensor, Tensor]
+"""A layer's (key cache, value cache)."""
 
 
 @dataclass(slots=True)
@@ -56,8 +59,14 @@ class Group:
         return self.masks[window]
 
 
-def plan_groups(arrays: StepArrays, block_size: int, kv_row: int, device: torch.device,
-                seqs: np.ndarray | None = None, own: bool = True) -> list[Group]:  # fmt: skip
+def plan_groups(
+    arrays: StepArrays,
+    block_size: int,
+    kv_row: int,
+    device: torch.device,
+    seqs: np.ndarray | None = None,
+    own: bool = True,
+) -> list[Group]:
     """The groups of sequences ``seqs`` (indices, None: all; those without rows or keys
     left out) of a step's host arrays; ``own``: whole prompts read the step's K/V rows."""
     starts, lens, tables = (
@@ -91,11 +100,11 @@ def plan_groups(arrays: StepArrays, block_size: int, kv_row: int, device: torch.
     return groups
 
 
-def attend_group(g: Group, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, window: int,
-                 softcap: float) -> None:  # fmt: skip
+def attend_group(
+    g: Group, out: Tensor, q: Tensor, k: Tensor, v: Tensor, caches: Caches, p: AttentionParams
+) -> None:
     """One group's attention into its rows of ``out`` (the layer's new K/V stored)."""
-    n, m = g.rows.shape
+    (key_cache, value_cache), (n, m) = caches, g.rows.shape
     rows = g.rows.view(-1)
     if g.blocks is None:
         keys, values = k.index_select(0, rows)[None], v.index_select(0, rows)[None]
@@ -105,15 +114,15 @@ def attend_group(g: Group, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         if g.stale is not None:
             keys, values = keys.masked_fill_(g.stale, 0.0), values.masked_fill_(g.stale, 0.0)
     query = q.index_select(0, rows).view(n, m, *q.shape[1:])
-    causal = g.blocks is None and not softcap and not 0 < window < g.keys
-    attn = _attention(query, keys, values, None if causal else g.mask(window), scale, softcap)
+    causal = g.blocks is None and not p.softcap and not 0 < p.window < g.keys
+    attn = _attention(query, keys, values, None if causal else g.mask(p.window), p)
     out.index_copy_(0, rows, attn.reshape(n * m, *q.shape[1:]))
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float) -> torch.Tensor:  # fmt: skip
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: AttentionParams) -> Tensor:
     """q [n, m, heads, d], k/v [n, keys, kv_heads, d], mask [n, m, keys] (None: causal)
     -> [n, m, heads, d] in q's dtype."""
+    scale, softcap = p.scale, p.softcap
     if mask is None or not softcap:
         qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         attn_mask = None if mask is None else mask[:, None]
@@ -154,34 +163,43 @@ class TorchBackend(AttentionBackend):
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
         return TorchStep(store, stored, plan_groups(arrays, bs, kv_row, device))
 
-    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, scale: float, window: int,
-                softcap: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
+    ) -> Tensor:
         step: TorchStep = meta.plan
-        key_cache, value_cache = meta.layer_caches[layer]
+        key_cache, value_cache = caches = meta.layer_caches[layer]
         kept_k, kept_v = (x if step.stored is None else x[step.stored] for x in (k, v))
         key_cache.index_put_(step.store, kept_k.to(key_cache.dtype))
         value_cache.index_put_(step.store, kept_v.to(value_cache.dtype))
         out = torch.zeros_like(q)
         for g in step.groups:
-            attend_group(g, out, q, k, v, key_cache, value_cache, scale, window, softcap)
+            attend_group(g, out, q, k, v, caches, p)
         return out
 
 
-def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float, *, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """The torch backend's attention over a cache that holds every key already (the
     tests' oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    window, softcap = check_args(*args, window, softcap)
+    check_args(*args)
+    params = layer_params(scale, window, softcap)
     host = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_tables": block_tables}
     arrays = {name: t.cpu().numpy() for name, t in host.items()}
     kv_row = key_cache.shape[2] * key_cache.shape[3]
     out = torch.zeros_like(query)
     for g in plan_groups(arrays, key_cache.shape[1], kv_row, query.device, own=False):
-        attend_group(g, out, query, query, query, key_cache, value_cache, scale, window, softcap)
+        attend_group(g, out, query, query, query, (key_cache, value_cache), params)
     return out
 
 

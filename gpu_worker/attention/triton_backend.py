@@ -14,8 +14,10 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
+from gpu_worker.kernels.attention_args import AttentionParams
 from gpu_worker.kernels.attention_schedule import (
     INTERPRET,
     AttentionSchedule,
@@ -64,15 +66,15 @@ class TritonBackend(AttentionBackend):
             q_lens, arrays["seq_lens"], num_kv_heads=kv_heads, num_sms=sms
         ).any()
 
-    def forward(self, meta: StepMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, scale: float, window: int,
-                softcap: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
+    ) -> Tensor:
         key_cache, value_cache = meta.layer_caches[layer]
         store_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping)
+        tables = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
         return launch_paged_attention(  # attend checked the arguments
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, window, softcap, meta.plan,
-        )  # fmt: skip
+            q, key_cache, value_cache, *tables, p.scale, p.window, p.softcap, meta.plan
+        )
 
     def warm_up(self, layer_kinds: Iterable[tuple[int | None, float | None]]) -> None:
         warm_up(self.layout, num_heads=self.num_heads, device=self.device, layer_kinds=layer_kinds)

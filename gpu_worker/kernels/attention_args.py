@@ -1,21 +1,44 @@
 """The arguments of paged attention, checked once where they enter: the shapes of a
 step (:func:`check_args`, by every backend's first layer and the public kernel entry
-points) and a layer's window and soft-capping (:func:`layer_kind`)."""
+points) and a layer's scale, window and soft-capping (:func:`layer_params`)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["check_args", "layer_kind"]
+__all__ = ["AttentionParams", "check_args", "layer_kind", "layer_params"]
 
 
-def check_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               window: int | None = None,
-               softcap: float | None = None) -> tuple[int, float]:  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """What a layer's attention is, beyond its tensors (0: no window, no soft-capping)."""
+
+    scale: float
+    window: int
+    softcap: float
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True and 1 differ
+def layer_params(scale: float, window: int | None, softcap: float | None) -> AttentionParams:
+    """A layer's parameters checked (once per kind: a model has a few)."""
+    return AttentionParams(float(scale), *layer_kind(window, softcap))
+
+
+def check_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[int, float]:
     """Raise ``ValueError`` unless the shapes fit paged attention's; returns
     ``(window, softcap)`` with 0 for none (``window`` an int >= 1, ``softcap`` a finite
     float > 0, or None / 0)."""

@@ -253,7 +253,7 @@ int expeditor_paged_attention_f32(
     float *out, int64_t o_tok, int64_t o_head,
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
-    int64_t n_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, float softcap) {
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0 ||
         num_heads % num_kv_heads != 0)
@@ -287,8 +287,8 @@ int expeditor_paged_attention_f32(
 /* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
 void expeditor_store_kv_f32(const float *k, int64_t k_tok, int64_t k_head, const float *v,
                             int64_t v_tok, int64_t v_head, float *key_cache,
-                            float *value_cache, int64_t block_stride, int64_t block_size,
-                            const int64_t *slots, int64_t n_tokens, int64_t num_kv_heads,
+                            float *value_cache, int64_t block_stride, const int64_t *slots,
+                            int64_t n_tokens, int64_t block_size, int64_t num_kv_heads,
                             int64_t head_dim) {
     const int64_t key_row = num_kv_heads * head_dim;
     for (int64_t t = 0; t < n_tokens; t++) {

@@ -29,6 +29,7 @@ from gpu_worker.attention import native_backend, torch_backend
 from gpu_worker.attention.native_backend import NativeBackend, NativeKernels, NativeStep
 from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import store_kv_ref
+from gpu_worker.kernels.attention_args import layer_params
 from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
 
@@ -74,7 +75,9 @@ def run_layers(
         q, k, v = split(qkv, kv_heads * group, kv_heads, fused)
         with torch.inference_mode():
             outs.append(
-                attention.attend(meta, layer, q, k, v, q.shape[-1] ** -0.5, window, softcap)
+                attention.attend(
+                    meta, layer, q, k, v, layer_params(q.shape[-1] ** -0.5, window, softcap)
+                )
             )
     return outs
 
@@ -242,7 +245,7 @@ def test_store_kv_writes_exactly_the_slotted_rows(native: NativeKernels, layout:
     if layout == "contiguous":
         k, v = k.contiguous(), v.contiguous()
     before, expected = kv.clone(), kv.clone()
-    native.store_kv(k, v, kv[:, 1, 0], kv[:, 1, 1], slots)
+    native.store_kv(k, v, (kv[:, 1, 0], kv[:, 1, 1]), slots)
     store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
     assert torch.equal(kv.nan_to_num(7.0), expected.nan_to_num(7.0))
     changed = (kv.nan_to_num(7.0) != before.nan_to_num(7.0)).any(dim=(-1, -2))  # per slot
@@ -322,9 +325,9 @@ def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
     ):
         meta.layer_caches[0] = args[3:]
         with pytest.raises(ValueError, match="native attention takes"):
-            backend.forward(meta, 0, *args[:3], 0.25, 0, 0.0)
+            backend.forward(meta, 0, *args[:3], layer_params(0.25, None, None))
     meta.layer_caches[0] = (key_cache, value_cache)
-    assert backend.forward(meta, 0, q, k, v, 0.25, 0, 0.0).shape == q.shape
+    assert backend.forward(meta, 0, q, k, v, layer_params(0.25, None, None)).shape == q.shape
     layout = SimpleNamespace(num_layers=2, num_kv_heads=2, block_size=4, dtype=torch.float32)
     cpu = torch.device("cpu")
     for head_dim, ok in ((256, True), (264, False)):
@@ -362,7 +365,7 @@ def test_build_caches_its_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert native_backend.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
     kv = torch.full((2, 4, 1, 16), float("nan"))
     rows = torch.randn(3, 1, 16)
-    NativeKernels(path).store_kv(rows, rows, kv, kv.clone(), torch.tensor([5, -1, 0]))
+    NativeKernels(path).store_kv(rows, rows, (kv, kv.clone()), torch.tensor([5, -1, 0]))
     assert torch.equal(kv[1, 1], rows[0]) and torch.equal(kv[0, 0], rows[2])
     assert int(kv.isnan().all(-1).sum()) == 6
 

@@ -23,10 +23,10 @@ from shared.errors import ConfigError
 from shared.server_config import ServerConfig, load_server_config
 
 WINDOWS = {
-    "llama": [None, None],
+    "llama": [0, 0],
     "mistral": [SLIDING_WINDOW] * 2,
-    "qwen2": [None, SLIDING_WINDOW],  # layer 0 global (max_window_layers = 1)
-    "qwen3": [None, None],
+    "qwen2": [0, SLIDING_WINDOW],  # layer 0 global (max_window_layers = 1)
+    "qwen3": [0, 0],
 }
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -43,7 +43,7 @@ def test_lean_forward_equals_transformers_forward(
     path = checkpoint(arch)
     lean = step_runner(path, "auto")
     assert lean.lean is not None and lean.model_impl_note == f"lean (model type {arch!r})"
-    assert [layer.window for layer in lean.lean.layers] == WINDOWS[arch]
+    assert [layer.attention.window for layer in lean.lean.layers] == WINDOWS[arch]  # 0: none
     plain = step_runner(path, "transformers")
     assert plain.lean is None
     lean_hidden, lean_tokens = run_steps(lean)
