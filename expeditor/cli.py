@@ -214,7 +214,7 @@ def make_tiny_model_cmd(
 
 # The daemon and client commands live in their own modules; importing them registers
 # them on ``app``.
-from expeditor import cli_bench, cli_client, cli_gateway, cli_services  # noqa: E402, F401
+from expeditor import cli_bench, cli_chat, cli_client, cli_gateway, cli_services  # noqa: E402, F401
 
 
 def main() -> None:

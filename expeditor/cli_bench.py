@@ -64,10 +64,18 @@ def bench(
     model: Annotated[
         str | None,
         typer.Option(
-            help="Checkpoint directory, or tiny | small: an embedded preset (default tiny)."
+            help="Checkpoint directory, GGUF file or registry model name "
+            "(smollm2-135m-instruct), or tiny | small: an embedded preset (default tiny)."
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto | float32 | bfloat16 | float16, for every target but openai "
+            "(auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX)."
+        ),
+    ] = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write PNG charts into this directory.")] = None,
     *,
@@ -107,6 +115,7 @@ def bench(
                 model=checkpoint,
                 base_config=base,
                 device=device,
+                dtype=dtype,
                 on_done=lambda label: progress.advance(tasks[label]),
                 on_start=lambda label: progress.start_task(tasks[label]),
             )
@@ -133,15 +142,26 @@ def bench(
 
 
 def _checkpoint(model: str | None) -> Path:
-    """--model: a preset name (the cached embedded model of that size) or a directory.
+    """--model: a preset name (the cached embedded model of that size), or what serve's
+    --model takes (a directory, a GGUF file, a registry model name), resolved here.
 
     A directory named like a preset is given with a path prefix (``./small``).
     """
+    from gpu_worker.model_source import locate_model, resolve_model
     from gpu_worker.tiny_model import DEFAULT_SIZE, SIZES, default_model_dir
 
     if model is None or model in SIZES:
         return default_model_dir(model or DEFAULT_SIZE)
-    return Path(model)
+    try:
+        kind, _ = locate_model(model)
+    except ValueError:
+        return Path(model)  # the targets say what is wrong with it
+    if kind not in ("registry", "gguf"):
+        return Path(model)
+    try:
+        return resolve_model(model)
+    except ValueError as exc:
+        fail(escape(str(exc)))
 
 
 def _ms(summary: dict[str, float] | None, *keys: str) -> str:

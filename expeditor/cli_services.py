@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 import typer
 
 from expeditor.cli import app, fail, resolve_config
@@ -39,11 +40,12 @@ def _server(config_file: Path | None, overrides: dict[str, Any]) -> ServerConfig
         server = load_server_config(config_file, overrides=overrides)
     except ConfigError as exc:
         fail(str(exc))
-    if server.model and not (Path(server.model) / "config.json").is_file():
-        fail(
-            f"model: {server.model} is not a checkpoint directory (no config.json); "
-            "give a local Hugging Face checkpoint, or leave it empty for the tiny model"
-        )
+    from gpu_worker.model_source import locate_model
+
+    try:
+        locate_model(server.model)
+    except ValueError as exc:
+        fail(f"{exc}; or leave it empty for the tiny model")
     return server
 
 
@@ -87,6 +89,7 @@ def serve(
     """
     _logging(verbose)
     from expeditor.cli_gateway import gateway_settings
+    from gpu_worker.model_source import REGISTRY
     from ipc.curve import check_serve_keys
     from scheduler_svc.supervisor import run_serve
     from shared.gateway_config import parse_http_address
@@ -101,6 +104,9 @@ def serve(
     elif any(value is not None for value in gateway_overrides.values()):
         fail("the gateway flags (--api-key, --chat-template ...) need --http HOST:PORT")
     server = _server(config, server_overrides)
+    if gateway is not None and not gateway.served_model_name and server.model in REGISTRY:
+        # A registry model is served under its name, not its converted directory's path.
+        gateway = msgspec.structs.replace(gateway, served_model_name=server.model)
     if server.curve:
         try:
             check_serve_keys(

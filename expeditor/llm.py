@@ -42,7 +42,7 @@ from shared.worker_settings import WorkerSettings
 
 Prompt = str | list[int]
 
-ENGINE_SERVER_FIELDS = ("gpu_memory_utilization", "cuda_graphs", "model_impl")
+ENGINE_SERVER_FIELDS = ("dtype", "gpu_memory_utilization", "cuda_graphs", "model_impl")
 """The ``[server]`` fields ``LLM`` takes as keywords (the others are about daemons,
 sockets and tensor-parallel groups, which an in-process engine has none of)."""
 
@@ -72,12 +72,16 @@ class LLM:
         model: str | Path | None = None,
         *,
         device: str = "auto",
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype = "auto",
         **config: Any,
     ) -> None:
-        scheduler_config, settings = engine_settings(model, **config)
+        """``dtype``: auto | float32 | bfloat16 | float16 (the ``dtype`` setting), or a
+        torch dtype."""
+        named = {"dtype": dtype} if isinstance(dtype, str) else {}
+        scheduler_config, settings = engine_settings(model, **named, **config)
         self.device = resolve_device(device)
-        self.runner = ModelRunner(settings, device=self.device, dtype=dtype)
+        given = None if isinstance(dtype, str) else dtype
+        self.runner = ModelRunner(settings, device=self.device, dtype=given)
         self.model_dir = self.runner.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
         # The daemon's start-up, with this runner's hello: the config sized by it, the

@@ -263,6 +263,7 @@ class WorkerDaemon:
             )
         self.runner = ModelRunner(settings, device=self.device, group=group)
         log.info("rank %d: forward: %s", self.rank, self.runner.model_impl_note)
+        log.info("rank %d: dtype %s", self.rank, self.runner.dtype_note)
         if setup.swap_pool:
             self._attach(setup.swap_pool)
         if self.device.type == "cpu" and self.group_size > 1:

@@ -24,15 +24,16 @@ from transformers.utils import logging as hf_logging
 from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.dtype import resolve_dtype
 from gpu_worker.event_clock import EventClock
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
+from gpu_worker.model_source import resolve_model
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
-from gpu_worker.tiny_model import default_model_dir
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
 from shared.checkpoint import capped_max_len
@@ -98,7 +99,7 @@ class ModelRunner:
         device, sharded or not), else through transformers' model code; ``transformers``
         always through transformers' model code."""
         limits, model_impl = settings.scheduler, settings.server.model_impl
-        model_dir = Path(settings.server.model) if settings.server.model else default_model_dir()
+        model_dir = resolve_model(settings.server.model)
         self.model_dir = model_dir
         """The checkpoint directory loaded."""
         block_size = limits.block_size
@@ -110,7 +111,13 @@ class ModelRunner:
         if world > 1:
             check_tp_supported(config, world)
         self.config = config
-        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if dtype is None:
+            dtype, why = resolve_dtype(settings.server.dtype, device)
+        else:
+            why = "given"
+        self.dtype = dtype
+        self.dtype_note = f"{str(dtype).removeprefix('torch.')} ({why})"
+        """The dtype the weights and KV cache take, and why (the worker logs it)."""
         impl = attention.register()
         hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(

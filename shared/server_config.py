@@ -35,6 +35,7 @@ def _seconds(description: str) -> Meta:
 
 
 ModelImpl = Literal["auto", "transformers"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class ModelConfig(Settings, frozen=True):
@@ -47,10 +48,19 @@ class ModelConfig(Settings, frozen=True):
     model: Annotated[
         str,
         Meta(
-            description="Checkpoint directory (Hugging Face layout); empty = the embedded "
-            "tiny model."
+            description="Checkpoint: a Hugging Face directory, a GGUF file (or a directory "
+            "holding one; converted once to safetensors in the cache), a registry model "
+            "name (smollm2-135m-instruct), or empty = the embedded tiny model."
         ),
     ] = ""
+    dtype: Annotated[
+        ModelDtype,
+        Meta(
+            description="Weights' and KV cache's dtype: auto = bfloat16 on CUDA and on "
+            "CPUs with AVX-512 BF16 or AMX, float32 elsewhere (the sampler computes in "
+            "float32 always)."
+        ),
+    ] = "auto"
     gpu_memory_utilization: Annotated[
         float,
         Meta(

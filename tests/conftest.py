@@ -2,8 +2,9 @@
 
 Unless ``EXPEDITOR_GPU_TESTS=1`` asks for real CUDA, Triton kernels run under the Triton
 interpreter on CPU tensors; this must be set before anything imports triton, hence at
-import time here. The Hypothesis profile is loaded here too
-(:mod:`support.hypothesis_profiles` says which there are).
+import time here. ``dtype=auto`` is float32 on the CPU (``EXPEDITOR_CPU_BF16=0``). The
+Hypothesis profile is loaded here too (:mod:`support.hypothesis_profiles` says which
+there are).
 
 Session fixtures shared by the test modules: the tiny checkpoints (``model``, the
 default llama one; ``tiny_checkpoint(arch)`` for any architecture) and the
@@ -25,6 +26,9 @@ from hypothesis import settings
 
 if os.environ.get("EXPEDITOR_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# dtype=auto computes in float32 here, as the exact oracle tests need, even on a CPU with
+# bfloat16 arithmetic (the bf16 tests ask for it by name); daemons the tests start inherit it.
+os.environ.setdefault("EXPEDITOR_CPU_BF16", "0")
 
 from support.hypothesis_profiles import hypothesis_profile
 

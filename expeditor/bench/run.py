@@ -107,10 +107,14 @@ def run_bench(
     device: str,
     on_done: Callable[[str], None],
     on_start: Callable[[str], None] = lambda label: None,
+    dtype: str = "auto",
 ) -> list[tuple[TargetResult, TargetRun]]:
+    """``dtype``: every target but ``openai`` (a server keeps its own) computes in it."""
     results = []
     for spec in specs:
         config = target_config(workload, base_config, spec)
+        if spec.name != OPENAI:
+            config["dtype"] = dtype  # serve's --dtype, LLM's dtype, transformers' dtype
         on_start(spec.label)
         done = functools.partial(on_done, spec.label)
         run = RUNNERS[spec.name](workload, model, config, device, done)

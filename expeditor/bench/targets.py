@@ -243,12 +243,12 @@ def run_static(
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+    from gpu_worker.dtype import resolve_dtype
     from gpu_worker.model_runner import resolve_device
 
     dev = resolve_device(device)
-    hf = AutoModelForCausalLM.from_pretrained(
-        model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ).to(dev)
+    dtype, _ = resolve_dtype(config.get("dtype", "auto"), dev)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(dev)
     hf.eval()
     batch_size = int(config.get("max_num_seqs", 256))
 
@@ -316,19 +316,19 @@ def run_static(
 def run_hf_cb(
     workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
 ) -> TargetRun:
-    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError as exc:  # an older transformers
         raise RuntimeError("the installed transformers has no continuous batching") from exc
+    from gpu_worker.dtype import resolve_dtype
     from gpu_worker.model_runner import resolve_device
 
     dev = resolve_device(device)
     hf = AutoModelForCausalLM.from_pretrained(
         model,
-        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+        dtype=resolve_dtype(config.get("dtype", "auto"), dev)[0],
         attn_implementation="paged|sdpa",
     ).to(dev)
     hf.eval()

@@ -1,4 +1,5 @@
-"""The native backend: float32 CPU attention in C (``kernels/paged_attention_cpu.c``).
+"""The native backend: CPU attention in C (``kernels/paged_attention_cpu.c``), float32 or
+bfloat16 (K/V, queries and outputs in the model's dtype; float32 sums either way).
 
 On a CPU the torch backend spends most of a layer on bookkeeping: gathering K/V copies,
 masks, a call per group. The kernel attends every sequence straight from the block
@@ -50,6 +51,8 @@ TUNE = ("-march=native",)
 """Tried first (the kernel runs where it is built); dropped if the compiler refuses."""
 MAX_HEAD_DIM = MAX_BLOCK_SIZE = 256
 """The kernel's limits (``MAX_HEAD_DIM``, ``MAX_BLOCK`` in the source)."""
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+"""The kernel's dtypes and its entry points' suffixes."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -104,15 +107,15 @@ def build(directory: Path | None = None) -> Path:
 
 
 class NativeKernels:
-    """The compiled library's two entry points (float32, rows contiguous)."""
+    """The compiled library's two entry points for one dtype (rows contiguous)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+        self.path, self.dtype = path, dtype
         lib = ctypes.CDLL(str(path))
-        self._attend = lib.expeditor_paged_attention_f32
+        self._attend = getattr(lib, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
         self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
         self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F]
-        self._store = lib.expeditor_store_kv_f32
+        self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
         self._store.restype = None
         self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
 
@@ -145,9 +148,9 @@ def _rows(t: Tensor) -> tuple[int, int, int]:
 
 
 @functools.cache
-def _loaded() -> NativeKernels | str:
+def _loaded(dtype: torch.dtype = torch.float32) -> NativeKernels | str:
     try:
-        return NativeKernels(build())
+        return NativeKernels(build(), dtype)
     except (RuntimeError, OSError) as exc:
         return str(exc)
 
@@ -156,11 +159,11 @@ def load(
     device: torch.device, layout: CacheLayout, num_heads: int
 ) -> tuple[NativeKernels | None, str]:
     """This process's kernels for the layout, or None and why not."""
-    if device.type != "cpu" or layout.dtype != torch.float32:
-        return None, f"{layout.dtype} on {device.type} (the kernel: float32 on a CPU)"
+    if device.type != "cpu" or layout.dtype not in SUFFIXES:
+        return None, f"{layout.dtype} on {device.type} (the kernel: float32, bfloat16 on a CPU)"
     if layout.head_dim > MAX_HEAD_DIM or layout.block_size > MAX_BLOCK_SIZE:
         return None, f"head_dim or block_size beyond the kernel's {MAX_HEAD_DIM}"
-    kernels = _loaded()
+    kernels = _loaded(layout.dtype)
     return (None, kernels) if isinstance(kernels, str) else (kernels, "")
 
 
@@ -237,12 +240,13 @@ class NativeBackend(AttentionBackend):
         step: NativeStep = meta.plan
         key_cache, value_cache = caches = meta.layer_caches[layer]
         inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
-        rows = (t.dtype == torch.float32 and t.stride(2) == 1 for t in (q, k, v))
+        dtype = self.kernels.dtype
+        rows = (t.dtype == dtype and t.stride(2) == 1 for t in (q, k, v))
         if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
-            raise ValueError("native attention takes float32 rows of the step's tokens")
+            raise ValueError(f"native attention takes {dtype} rows of the step's tokens")
         layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
-        if key_cache.dtype != torch.float32 or layout != (torch.float32, key_cache.stride(), inner):
-            raise ValueError("native attention takes float32 caches, contiguous within a block")
+        if key_cache.dtype != dtype or layout != (dtype, key_cache.stride(), inner):
+            raise ValueError(f"native attention takes {dtype} caches, contiguous within a block")
         self.kernels.store_kv(k, v, caches, step.slots)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, caches, step, out, p)

@@ -1,11 +1,16 @@
-/* Paged attention for the native CPU backend, float32 (gpu_worker/attention/native_backend.py
- * has the design): per sequence and KV head, its query vectors attend block by block with
- * an online softmax. Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise;
+/* Paged attention for the native CPU backend, in float32 and in bfloat16
+ * (gpu_worker/attention/native_backend.py has the design): per sequence and KV head, its
+ * query vectors attend block by block with an online softmax, accumulating in float32. Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise;
  * caches [blocks, block_size, kv_heads, head_dim], block_stride floats apart, contiguous
  * within a block; tables[s, j] int32, table_stride apart; seqs (int64) the sequences to
  * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
  * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C.
- * The caller has checked every index. */
+ * The caller has checked every index.
+ *
+ * The code below the prelude is written once over an element type T and compiled twice:
+ * this file includes itself with T = float (entry points *_f32) and T = uint16_t holding
+ * bfloat16 (*_bf16: loads widen to float32, stores round to nearest even). */
+#ifndef T
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,38 +56,6 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* scores[r][j] = q[r] . k_j for the block's first n_slots keys (rows key_row apart). */
-static inline __attribute__((always_inline)) void block_scores(
-    const float *qv, int64_t nv, const float *kb, int64_t key_row, int64_t n_slots,
-    const int64_t head_dim, float *scores, int64_t score_row) {
-    int64_t j0 = 0;
-#if HAVE_AVX2
-    if (head_dim % 8 == 0)
-        for (; j0 + 8 <= n_slots; j0 += 8)
-            for (int64_t r = 0; r < nv; r++) {
-                const float *qr = qv + r * head_dim;
-                __m256 a[8];
-                for (int t = 0; t < 8; t++) {
-                    const float *k = kb + (j0 + t) * key_row;
-                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(k));
-                    for (int64_t d = 8; d < head_dim; d += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(k + d), acc);
-                    a[t] = acc;
-                }
-                _mm256_storeu_ps(scores + r * score_row + j0, sum8(a));
-            }
-#endif
-    for (int64_t j = j0; j < n_slots; j++) {
-        const float *k = kb + j * key_row;
-        for (int64_t r = 0; r < nv; r++) {
-            const float *qr = qv + r * head_dim;
-            float x = 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) x += qr[d] * k[d];
-            scores[r * score_row + j] = x;
-        }
-    }
-}
-
 /* x[j] = exp(x[j] - top) for j < n; returns their sum. */
 static inline float exp_shifted(float *x, int64_t n, float top) {
     int64_t j = 0;
@@ -114,9 +87,79 @@ static inline float block_max(const float *x, int64_t n) {
     return top;
 }
 
+/* bfloat16 <-> float32: bf16 is float32's upper half. */
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#define T float
+#define NAME(x) x##_f32
+#define LOAD(p) (*(p))
+#define STORE(x) (x)
+#define LOAD8(p) _mm256_loadu_ps(p)
+#include __FILE__
+#undef T
+#undef NAME
+#undef LOAD
+#undef STORE
+#undef LOAD8
+
+#define T uint16_t
+#define NAME(x) x##_bf16
+#define LOAD(p) bf16_to_f32(*(p))
+#define STORE(x) f32_to_bf16(x)
+#define LOAD8(p)                                                                       \
+    _mm256_castsi256_ps(                                                               \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#include __FILE__
+
+#else /* the code over T */
+
+/* scores[r][j] = q[r] . k_j for the block's first n_slots keys (rows key_row apart). */
+static inline __attribute__((always_inline)) void NAME(block_scores)(
+    const float *qv, int64_t nv, const T *kb, int64_t key_row, int64_t n_slots,
+    const int64_t head_dim, float *scores, int64_t score_row) {
+    int64_t j0 = 0;
+#if HAVE_AVX2
+    if (head_dim % 8 == 0)
+        for (; j0 + 8 <= n_slots; j0 += 8)
+            for (int64_t r = 0; r < nv; r++) {
+                const float *qr = qv + r * head_dim;
+                __m256 a[8];
+                for (int t = 0; t < 8; t++) {
+                    const T *k = kb + (j0 + t) * key_row;
+                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), LOAD8(k));
+                    for (int64_t d = 8; d < head_dim; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), LOAD8(k + d), acc);
+                    a[t] = acc;
+                }
+                _mm256_storeu_ps(scores + r * score_row + j0, sum8(a));
+            }
+#endif
+    for (int64_t j = j0; j < n_slots; j++) {
+        const T *k = kb + j * key_row;
+        for (int64_t r = 0; r < nv; r++) {
+            const float *qr = qv + r * head_dim;
+            float x = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) x += qr[d] * LOAD(k + d);
+            scores[r * score_row + j] = x;
+        }
+    }
+}
+
 /* acc[r] += sum_j p[r][j] * v_j over the block's first n_slots values. */
-static inline __attribute__((always_inline)) void block_values(
-    float *acc, int64_t nv, const float *vb, int64_t key_row, int64_t n_slots,
+static inline __attribute__((always_inline)) void NAME(block_values)(
+    float *acc, int64_t nv, const T *vb, int64_t key_row, int64_t n_slots,
     const int64_t head_dim, const float *p, int64_t p_row) {
 #if HAVE_AVX2
     if (head_dim % 8 == 0) {
@@ -132,9 +175,9 @@ static inline __attribute__((always_inline)) void block_values(
                     for (int64_t c = 0; c < lanes; c++)
                         a[g * lanes + c] = _mm256_loadu_ps(acc + (r0 + g) * head_dim + c0 + 8 * c);
                 for (int64_t j = 0; j < n_slots; j++) {
-                    const float *v = vb + j * key_row + c0;
+                    const T *v = vb + j * key_row + c0;
                     __m256 vv[8];
-                    for (int64_t c = 0; c < lanes; c++) vv[c] = _mm256_loadu_ps(v + 8 * c);
+                    for (int64_t c = 0; c < lanes; c++) vv[c] = LOAD8(v + 8 * c);
                     for (int64_t g = 0; g < group; g++) {
                         const __m256 w = _mm256_set1_ps(p[(r0 + g) * p_row + j]);
                         for (int64_t c = 0; c < lanes; c++)
@@ -150,19 +193,19 @@ static inline __attribute__((always_inline)) void block_values(
     }
 #endif
     for (int64_t j = 0; j < n_slots; j++) {
-        const float *v = vb + j * key_row;
+        const T *v = vb + j * key_row;
         for (int64_t r = 0; r < nv; r++) {
             const float w = p[r * p_row + j];
-            for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] += w * v[d];
+            for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] += w * LOAD(v + d);
         }
     }
 }
 
 /* One sequence's query vectors v0 .. v0 + nv of KV head kv; head_dim is a constant in
  * the specialised copies below (the compiler then unrolls the head_dim loops). */
-static inline __attribute__((always_inline)) void attend_vectors(
-    const float *q, int64_t q_tok, int64_t q_head, const float *key_cache,
-    const float *value_cache, float *out, int64_t o_tok, int64_t o_head, const int32_t *table,
+static inline __attribute__((always_inline)) void NAME(attend_vectors)(
+    const T *q, int64_t q_tok, int64_t q_head, const T *key_cache,
+    const T *value_cache, T *out, int64_t o_tok, int64_t o_head, const int32_t *table,
     int64_t q0, int64_t first_pos, int64_t per_kv, int64_t kv, int64_t v0, int64_t nv,
     int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float softcap) {
@@ -182,8 +225,8 @@ static inline __attribute__((always_inline)) void attend_vectors(
     for (int64_t r = 0; r < nv; r++) {
         const int64_t vec = v0 + r, row = vec / per_kv;
         const int64_t head = kv * per_kv + vec % per_kv;
-        const float *src = q + (q0 + row) * q_tok + head * q_head;
-        for (int64_t d = 0; d < head_dim; d++) qv[r][d] = src[d] * scale;
+        const T *src = q + (q0 + row) * q_tok + head * q_head;
+        for (int64_t d = 0; d < head_dim; d++) qv[r][d] = LOAD(src + d) * scale;
         run_max[r] = -INFINITY;
         run_sum[r] = 0.0f;
         row_pos[r] = first_pos + row;
@@ -192,8 +235,8 @@ static inline __attribute__((always_inline)) void attend_vectors(
         const int64_t base = b * block_size;
         const int64_t n_slots = hi + 1 - base < block_size ? hi + 1 - base : block_size;
         const int64_t block = table[b];
-        const float *kb = key_cache + block * block_stride + kv * head_dim;
-        const float *vb = value_cache + block * block_stride + kv * head_dim;
+        const T *kb = key_cache + block * block_stride + kv * head_dim;
+        const T *vb = value_cache + block * block_stride + kv * head_dim;
         if ((b + 1) * block_size <= hi) { /* the next block is a jump: fetch it early */
             const int64_t next = table[b + 1] * block_stride + kv * head_dim;
             for (int64_t j = 0; j < block_size; j++) {
@@ -201,7 +244,7 @@ static inline __attribute__((always_inline)) void attend_vectors(
                 __builtin_prefetch(value_cache + next + j * key_row);
             }
         }
-        block_scores(qv_buf, nv, kb, key_row, n_slots, head_dim, scores_buf, block_size);
+        NAME(block_scores)(qv_buf, nv, kb, key_row, n_slots, head_dim, scores_buf, block_size);
         if (softcap > 0.0f)
             for (int64_t r = 0; r < nv; r++)
                 for (int64_t j = 0; j < n_slots; j++)
@@ -231,26 +274,26 @@ static inline __attribute__((always_inline)) void attend_vectors(
             if (alpha != 1.0f)
                 for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
         }
-        block_values(acc_buf, nv, vb, key_row, n_slots, head_dim, scores_buf, block_size);
+        NAME(block_values)(acc_buf, nv, vb, key_row, n_slots, head_dim, scores_buf, block_size);
     }
     for (int64_t r = 0; r < nv; r++) {
         const int64_t vec = v0 + r, row = vec / per_kv;
         const int64_t head = kv * per_kv + vec % per_kv;
-        float *dst = out + (q0 + row) * o_tok + head * o_head;
+        T *dst = out + (q0 + row) * o_tok + head * o_head;
         const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r][d] * inv;
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[r][d] * inv);
     }
 }
 
 #define ATTEND(D)                                                                            \
-    attend_vectors(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0,  \
+    NAME(attend_vectors)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0,  \
                    first_pos, per_kv, kv, v0, nv, key_row, block_stride, D, block_size, scale, \
                    window, softcap)
 
-int expeditor_paged_attention_f32(
-    const float *q, int64_t q_tok, int64_t q_head,
-    const float *key_cache, const float *value_cache, int64_t block_stride,
-    float *out, int64_t o_tok, int64_t o_head,
+int NAME(expeditor_paged_attention)(
+    const T *q, int64_t q_tok, int64_t q_head,
+    const T *key_cache, const T *value_cache, int64_t block_stride,
+    T *out, int64_t o_tok, int64_t o_head,
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
     int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
@@ -285,9 +328,9 @@ int expeditor_paged_attention_f32(
 }
 
 /* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
-void expeditor_store_kv_f32(const float *k, int64_t k_tok, int64_t k_head, const float *v,
-                            int64_t v_tok, int64_t v_head, float *key_cache,
-                            float *value_cache, int64_t block_stride, const int64_t *slots,
+void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T *v,
+                            int64_t v_tok, int64_t v_head, T *key_cache,
+                            T *value_cache, int64_t block_stride, const int64_t *slots,
                             int64_t n_tokens, int64_t block_size, int64_t num_kv_heads,
                             int64_t head_dim) {
     const int64_t key_row = num_kv_heads * head_dim;
@@ -297,9 +340,12 @@ void expeditor_store_kv_f32(const float *k, int64_t k_tok, int64_t k_head, const
         const int64_t at = slot / block_size * block_stride + slot % block_size * key_row;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             memcpy(key_cache + at + h * head_dim, k + t * k_tok + h * k_head,
-                   sizeof(float) * head_dim);
+                   sizeof(T) * head_dim);
             memcpy(value_cache + at + h * head_dim, v + t * v_tok + h * v_head,
-                   sizeof(float) * head_dim);
+                   sizeof(T) * head_dim);
         }
     }
 }
+
+#undef ATTEND
+#endif /* T */

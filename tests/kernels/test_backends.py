@@ -103,6 +103,25 @@ def test_mixed_steps_match_the_reference(
     assert_same(kv, *run_both(backend, kv, meta, layers, group))
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(2, 4, 32), (3, 3, 64), (2, 2, 20)]
+)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, 2.0)])
+def test_bfloat16_steps_match_the_reference(
+    backend: str, num_kv_heads: int, group: int, head_dim: int, window: int | None,
+    softcap: float | None,
+) -> None:  # fmt: skip
+    """bfloat16 caches, queries and outputs (a bf16 CPU worker's): the stores are the
+    same bits, the outputs within bf16's rounding of the reference run in bf16 (float32
+    sums on both sides; each rounds its output once)."""
+    seqs = [(1, 1), (9, 9), (30, 30), (40, 5), (70, 20), (12, 0), (33, 1), (140, 1)]
+    kv, meta, layers = make_step(seqs, num_kv_heads, group, head_dim, 4, 5, 2, torch.bfloat16)
+    outs, expected, expected_kv = run_both(backend, kv, meta, layers, group, window, softcap)
+    assert kv.dtype == torch.bfloat16 and outs[0].dtype == torch.bfloat16
+    assert_same(kv, outs, expected, expected_kv, tol=1.6e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 2.0), (20, 2.0)])
 def test_windows_softcap_gqa_and_rows_outside(
@@ -179,7 +198,8 @@ def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     for dtype, env, name, why in [
         (torch.float32, {"EXPEDITOR_NATIVE_CPU": "0"}, "torch", "EXPEDITOR_NATIVE_CPU=0"),
-        (torch.bfloat16, {}, "torch", "float32 on a CPU"),
+        (torch.bfloat16, {}, "native", "paged_attention_cpu-"),
+        (torch.float16, {}, "torch", "float32, bfloat16 on a CPU"),
         (torch.float32, {"EXPEDITOR_FORCE_TRITON": "1"}, "triton", "EXPEDITOR_FORCE_TRITON=1"),
     ]:
         backend, reason = attention.choose_backend(

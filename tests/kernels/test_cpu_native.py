@@ -335,9 +335,11 @@ def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
             cpu, SimpleNamespace(**vars(layout), head_dim=head_dim), 4
         )
         assert (kernels is not None) == ok and ("beyond" in why) != ok
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype, ok in ((torch.bfloat16, True), (torch.float16, False)):
         half = SimpleNamespace(**{**vars(layout), "dtype": dtype}, head_dim=32)
-        assert native_backend.load(cpu, half, 4)[0] is None
+        kernels, why = native_backend.load(cpu, half, 4)
+        assert (kernels is not None and kernels.dtype == dtype) == ok
+        assert ok or "float32, bfloat16 on a CPU" in why
 
 
 def test_native_and_torch_backends_agree() -> None:
@@ -426,7 +428,7 @@ def test_the_portable_build_matches_reference(
     plain C loops: the same results, windows and soft-capping too."""
     monkeypatch.setattr(native_backend, "TUNE", ())
     portable = NativeKernels(native_backend.build(tmp_path))
-    monkeypatch.setattr(native_backend, "_loaded", lambda: portable)
+    monkeypatch.setattr(native_backend, "_loaded", lambda dtype: portable)
     for head_dim, block_size, window, softcap in ((20, 4, None, None), (32, 16, 9, 3.0)):
         kv, meta, layers = make_step(mixed_seqs(head_dim, 120), 2, 2, head_dim, block_size, 7)
         check_native(kv, meta, layers, 2, window, softcap)

@@ -147,11 +147,12 @@ def make_step(
     block_size: int,
     seed: int,
     lead_rows: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, attention.StepMetadata, list[torch.Tensor]]:
     """``seqs``: (context length incl. new tokens, new tokens). Returns the KV cache, the
     step's metadata and per layer (query, key, value) in the attention interface's
-    shapes; ``lead_rows`` tokens without a slot (-1) precede the sequences'. The metadata
-    has no backend yet: :func:`planned` gives it one."""
+    shapes, all in ``dtype``; ``lead_rows`` tokens without a slot (-1) precede the
+    sequences'. The metadata has no backend yet: :func:`planned` gives it one."""
     g = torch.Generator().manual_seed(seed)
     needed = [-(-seq_len // block_size) for seq_len, _ in seqs]
     num_blocks = sum(needed) + 3
@@ -172,6 +173,7 @@ def make_step(
                 )
         slots += [int(ids[p // block_size]) * block_size + p % block_size
                   for p in range(seq_len - q_len, seq_len)]  # fmt: skip
+    kv = kv.to(dtype)
     q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int32)
     starts = torch.full((len(seqs) + 1,), lead_rows, dtype=torch.int32)
     starts[1:] += torch.cumsum(q_lens, 0, dtype=torch.int32)
@@ -186,7 +188,7 @@ def make_step(
     )
     tokens = len(slots)
     layers = [
-        torch.randn((3, num_kv_heads * (group + 2), tokens, head_dim), generator=g)
+        torch.randn((3, num_kv_heads * (group + 2), tokens, head_dim), generator=g).to(dtype)
         for _ in range(NUM_LAYERS)
     ]
     return kv, meta, layers
