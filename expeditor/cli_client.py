@@ -272,4 +272,5 @@ def step_times_line(times: StepTimes) -> str:
     """``schedule 0.21 · transfer 0.35 · ... ms per step (N steps)``, for the tables."""
     parts = ("schedule", "transfer", "prepare", "swap", "forward", "sample", "outputs")
     values = " · ".join(f"{name} {getattr(times, name):.2f}" for name in parts)
-    return f"{values} ms per step ({times.steps} steps)"
+    rate = f"; forward {times.forward_gflops:.1f} GFLOP/s" if times.forward_gflops else ""
+    return f"{values} ms per step ({times.steps} steps){rate}"

@@ -32,6 +32,7 @@ from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_source import resolve_model
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
+from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from ipc.plan_state import ScheduledSeq, WorkerState
@@ -139,6 +140,8 @@ class ModelRunner:
                 self.model_impl_note = f"lean (model type {config.model_type!r}{sharded})"
             else:
                 self.model_impl_note = f"transformers ({reason})"
+        self.flops = StepFlops(self.model, config, world)
+        """A step's forward FLOPs (reported with its time)."""
         self.logits = logits_fn(self.model, config)
         """hidden rows -> logits, as the checkpoint's own head computes them."""
         head_dim = getattr(config, "head_dim", None) or (
@@ -353,6 +356,7 @@ class ModelRunner:
                 forward_s=clock.between("prepared", "forwarded", read),
                 sample_s=clock.between("forwarded", "read", read),
                 total_s=clock.between("start", "done", False),
+                forward_flop=self.flops.step(inputs.starts, inputs.query_start_loc),
             ),
         )
 

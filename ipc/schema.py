@@ -207,6 +207,8 @@ class StepTiming(msgspec.Struct, frozen=True, kw_only=True):
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+    forward_flop: float = 0.0
+    """The forward's arithmetic, from the model's shapes (gpu_worker/step_flops.py)."""
 
 
 class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,6 +223,8 @@ class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
     sample: float = 0.0
     outputs: float = 0.0
     steps: int = 0
+    forward_gflops: float = 0.0
+    """Achieved GFLOP/s of the forwards: their FLOPs over their time."""
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_field="type"):

@@ -36,6 +36,8 @@ class StepTimer:
         self.totals = [0.0] * _PARTS
         self.outputs_steps = 0
         self.outputs_total = 0.0
+        self.flop = 0.0
+        self._recent_flop: deque[float] = deque(maxlen=window)
         self._recent: deque[tuple[float, ...]] = deque(maxlen=window)
         self._recent_outputs: deque[float] = deque(maxlen=window)
 
@@ -57,6 +59,8 @@ class StepTimer:
         for index, value in enumerate(parts):
             totals[index] += value
         self._recent.append(parts)
+        self.flop += timing.forward_flop
+        self._recent_flop.append(timing.forward_flop)
 
     def add_outputs(self, seconds: float) -> None:
         """One step's events through ``OutputProcessor.on_step``."""
@@ -66,17 +70,20 @@ class StepTimer:
 
     def total(self) -> StepTimes:
         """Mean per step since the start."""
-        return _times(self.totals, self.steps, self.outputs_total, self.outputs_steps)
+        return _times(self.totals, self.steps, self.outputs_total, self.outputs_steps, self.flop)
 
     def recent(self) -> StepTimes:
         """Mean per step over the last ``window`` steps (``steps``: how many that is)."""
         sums = [sum(column) for column in zip(*self._recent, strict=True)] or [0.0] * _PARTS
         outputs = self._recent_outputs
-        return _times(sums, len(self._recent), sum(outputs), len(outputs))
+        return _times(sums, len(self._recent), sum(outputs), len(outputs), sum(self._recent_flop))
 
 
-def _times(sums: list[float], steps: int, outputs_s: float, outputs_steps: int) -> StepTimes:
+def _times(
+    sums: list[float], steps: int, outputs_s: float, outputs_steps: int, flop: float
+) -> StepTimes:
     ms = [1e3 * value / steps if steps else 0.0 for value in sums]
+    forward_s = sums[4]
     return StepTimes(
         schedule=ms[0],
         transfer=ms[1],
@@ -86,4 +93,5 @@ def _times(sums: list[float], steps: int, outputs_s: float, outputs_steps: int) 
         sample=ms[5],
         outputs=1e3 * outputs_s / outputs_steps if outputs_steps else 0.0,
         steps=steps,
+        forward_gflops=flop / forward_s / 1e9 if forward_s > 0 else 0.0,
     )

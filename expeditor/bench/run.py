@@ -68,6 +68,9 @@ def parse_target(text: str) -> TargetSpec:
         for item in filter(None, rest[:-1].split(",")):
             key, sep, value = item.partition("=")
             key = key.strip().replace("-", "_")
+            if sep and key == "dtype":  # any target but openai: its dtype (--dtype's)
+                options["dtype"] = value.strip()
+                continue
             if sep and name == "expeditor" and key in SERVE_OPTIONS:
                 options.setdefault(SERVE_KEY, {})[key] = _value(value.strip())
                 continue
@@ -109,12 +112,13 @@ def run_bench(
     on_start: Callable[[str], None] = lambda label: None,
     dtype: str = "auto",
 ) -> list[tuple[TargetResult, TargetRun]]:
-    """``dtype``: every target but ``openai`` (a server keeps its own) computes in it."""
+    """``dtype``: every target but ``openai`` (a server keeps its own) computes in it,
+    unless its brackets say otherwise (``expeditor[dtype=float32]``)."""
     results = []
     for spec in specs:
         config = target_config(workload, base_config, spec)
-        if spec.name != OPENAI:
-            config["dtype"] = dtype  # serve's --dtype, LLM's dtype, transformers' dtype
+        if spec.name != OPENAI:  # serve's --dtype, LLM's dtype, transformers' dtype
+            config["dtype"] = spec.options.get("dtype", dtype)
         on_start(spec.label)
         done = functools.partial(on_done, spec.label)
         run = RUNNERS[spec.name](workload, model, config, device, done)

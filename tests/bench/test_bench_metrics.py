@@ -184,6 +184,7 @@ def test_compute_result_notes() -> None:
 
 
 STEP_MS_KEYS = {"schedule", "transfer", "prepare", "swap", "forward", "sample", "outputs", "steps"}
+STEP_MS_KEYS |= {"forward_gflops"}
 
 
 def check_step_ms(entry: dict) -> None:
@@ -192,6 +193,7 @@ def check_step_ms(entry: dict) -> None:
     assert set(step_ms) == STEP_MS_KEYS
     assert all(isinstance(v, int | float) and v >= 0 for v in step_ms.values()), step_ms
     assert step_ms["steps"] > 0
+    assert step_ms["forward_gflops"] > 0  # the worker counted its forwards' arithmetic
 
 
 def test_compute_result_carries_step_times() -> None:

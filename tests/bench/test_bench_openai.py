@@ -440,6 +440,8 @@ def test_other_targets_still_parse() -> None:
     assert (spec.name, spec.overrides, spec.options) == ("expeditor", {"max_num_seqs": 8}, {})
     with pytest.raises(ValueError, match="openai:URL"):
         parse_target("vllm")
+    spec = parse_target("static[dtype=float32,max_num_seqs=4]")
+    assert (spec.overrides, spec.options) == ({"max_num_seqs": 4}, {"dtype": "float32"})
 
 
 # -- the pieces -----------------------------------------------------------------------------

@@ -65,13 +65,13 @@ def prompts(checkpoint: Path) -> list[list[int]]:
 
 
 def hf_steps(
-    checkpoint: Path, prompts: list[list[int]], dtype: torch.dtype
+    checkpoint: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu"
 ) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-step log-softmax, each prompt alone."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    """transformers' greedy tokens and per-step log-softmax (on the host), each prompt alone."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         with torch.inference_mode():
             run = model.generate(
                 ids,
@@ -82,7 +82,7 @@ def hf_steps(
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
-        scores = [s[0].float().log_softmax(-1) for s in run.scores]
+        scores = [s[0].float().log_softmax(-1).cpu() for s in run.scores]
         out.append((run.sequences[0, len(prompt) :].tolist(), scores))
     return out
 
@@ -147,9 +147,21 @@ def test_gateway_renders_and_answers_as_transformers(
 
 
 def test_bfloat16_greedy_is_logprob_close(checkpoint: Path, prompts: list[list[int]]) -> None:
-    reference = hf_steps(checkpoint, prompts, torch.bfloat16)
+    check_bfloat16(checkpoint, prompts, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bfloat16_on_cuda_is_logprob_close(checkpoint: Path, prompts: list[list[int]]) -> None:
+    """The GPU path (Triton attention, dtype auto = bfloat16 on CUDA): benchmarks/gpu_check.sh."""
+    check_bfloat16(checkpoint, prompts, "cuda")
+
+
+def check_bfloat16(checkpoint: Path, prompts: list[list[int]], device: str) -> None:
+    reference = hf_steps(checkpoint, prompts, torch.bfloat16, device)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP)
-    with LLM(NAME, device="cpu", dtype="bfloat16") as llm:
+    dtype = "auto" if device == "cuda" else "bfloat16"
+    with LLM(NAME, device=device, dtype=dtype, num_gpu_blocks=1024) as llm:
         assert llm.runner.dtype == torch.bfloat16
         assert llm.runner.kv_cache.layout.dtype == torch.bfloat16
         done = [llm.generate([p], params)[0].samples[0] for p in prompts]

@@ -85,6 +85,7 @@ def test_step_times_encode_as_the_documented_object() -> None:
         "sample",
         "outputs",
         "steps",
+        "forward_gflops",
     }
 
 
