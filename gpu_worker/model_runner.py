@@ -43,8 +43,9 @@ from shared.swap_pool import SwapPoolSegment
 from shared.worker_settings import WorkerSettings
 
 DEFAULT_CPU_BLOCKS = 1024
-"""KV blocks of a worker off CUDA when the settings give no ``num_gpu_blocks`` (a CUDA
-worker sizes its cache from ``gpu_memory_utilization``)."""
+"""KV blocks of a float32 worker off CUDA when the settings give no ``num_gpu_blocks``
+(a CUDA worker sizes its cache from ``gpu_memory_utilization``): their memory is the
+budget, so a bfloat16 worker gets twice as many."""
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -94,7 +95,7 @@ class ModelRunner:
         (:mod:`gpu_worker.cuda_graphs`) for up to ``max_num_seqs`` sequences of up to
         ``max_model_len`` tokens (capped by the checkpoint's limit); CUDA only, ignored
         elsewhere. ``num_gpu_blocks`` unset: sized from ``gpu_memory_utilization`` on
-        CUDA, :data:`DEFAULT_CPU_BLOCKS` elsewhere.
+        CUDA, :data:`DEFAULT_CPU_BLOCKS` float32 blocks' memory elsewhere.
         ``model_impl``: ``auto`` runs the checkpoint through
         :class:`~gpu_worker.lean_model.LeanDecoder` where its model type has one (on any
         device, sharded or not), else through transformers' model code; ``transformers``
@@ -167,7 +168,7 @@ class ModelRunner:
         """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
         num_gpu_blocks = limits.num_gpu_blocks
         if num_gpu_blocks is None and device.type != "cuda":
-            num_gpu_blocks = DEFAULT_CPU_BLOCKS
+            num_gpu_blocks = DEFAULT_CPU_BLOCKS * 4 // self.dtype.itemsize
         elif num_gpu_blocks is None:
             num_gpu_blocks = self._profile_num_blocks(
                 limits.max_num_batched_tokens,

@@ -552,8 +552,9 @@ def test_generate_and_inspect_commands(server) -> None:
     parts = {"schedule", "transfer", "prepare", "swap", "forward", "sample", "outputs"}
     for key in ("step_times", "step_times_total"):
         times = state[key]
-        assert set(times) == {*parts, "steps"}, times
+        assert set(times) == {*parts, "steps", "forward_gflops"}, times
         assert times["steps"] >= 1 and all(times[p] >= 0 for p in parts), times
+        assert times["forward_gflops"] > 0, times  # the worker counted its arithmetic
     assert state["step_times"]["steps"] == min(100, state["step_times_total"]["steps"])
     missing = subprocess.run(
         [*run, "inspect", "--address", "ipc:///nonexistent/fe.sock", "--timeout", "1"],

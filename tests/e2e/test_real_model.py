@@ -112,21 +112,26 @@ def test_float32_greedy_is_token_exact(
     hf_float32: list[list[int]],
     schedule: dict[str, object],
 ) -> None:
-    # The same system-free chat prompts twice: the second copy hits the prefix cache.
+    # With prefix caching, the prompts twice: the second copies hit the cache.
+    copies = 2 if schedule.get("enable_prefix_caching") else 1
     with LLM(NAME, device="cpu", dtype="float32", **schedule) as llm:
         assert llm.model_dir == checkpoint
-        done = llm.generate(prompts + prompts, GREEDY)
+        done = llm.generate(prompts * copies, GREEDY)
         preempted = sum(llm.scheduler.preemptions.values())
-    assert [c.token_ids for c in done] == hf_float32 + hf_float32
+        hits = llm.scheduler.kv.hit_tokens
+    assert [c.token_ids for c in done] == hf_float32 * copies
     if "num_gpu_blocks" in schedule:
         assert preempted > 0, "the small pool was meant to preempt"
+    if copies > 1:
+        assert hits > 0, "the repeated prompts were meant to hit the prefix cache"
 
 
 def test_gateway_renders_and_answers_as_transformers(
     checkpoint: Path, prompts: list[list[int]], hf_float32: list[list[int]]
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    flags = ("--dtype=float32",)  # served as NAME: a registry model keeps its name
+    # Served as NAME (a registry model keeps its name); one thread: no start-up timing.
+    flags = ("--dtype=float32", "--cpu-threads=1")
     with running_http_serve(Path(NAME), *flags, timeout_s=300) as (_, url, _):
         for question, prompt, expected in list(zip(QUESTIONS, prompts, hf_float32, strict=True))[
             :2

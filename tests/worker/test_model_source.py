@@ -83,3 +83,19 @@ def test_cpu_features_read_the_flags_line(monkeypatch: pytest.MonkeyPatch) -> No
     line = next(x for x in flags.read_text().splitlines() if x.startswith("flags"))
     expected = tuple(f for f in dtypes.BF16_FLAGS if f in line.split(":", 1)[1].split())
     assert dtypes.cpu_bf16_features() == expected
+
+
+def test_a_bf16_cpu_worker_holds_twice_the_blocks_in_the_same_memory(model: Path) -> None:
+    from gpu_worker.model_runner import DEFAULT_CPU_BLOCKS, ModelRunner
+    from shared.worker_settings import WorkerSettings
+
+    sizes = {}
+    for name in ("float32", "bfloat16"):
+        settings = WorkerSettings.of(model=str(model), dtype=name)
+        runner = ModelRunner(settings, device=torch.device("cpu"))
+        assert runner.dtype == dtypes.DTYPES[name] and runner.kv_cache.layout.dtype == runner.dtype
+        blocks = runner.hello().num_gpu_blocks
+        sizes[name] = (blocks, blocks * runner.kv_cache.layout.bytes_per_block)
+    assert sizes["float32"][0] == DEFAULT_CPU_BLOCKS
+    assert sizes["bfloat16"][0] == 2 * DEFAULT_CPU_BLOCKS
+    assert sizes["bfloat16"][1] == sizes["float32"][1]  # the same memory
