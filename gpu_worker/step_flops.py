@@ -4,8 +4,9 @@ machine's peak: ``expeditor bench`` and ``inspect`` print achieved GFLOP/s.
 Counted from the model's shapes, multiply-adds as 2 FLOPs, the model body only (what
 ``StepTiming.forward_s`` times; the LM head belongs to sampling):
 
-* the linear layers: 2 x (weights of the body's linear layers) per token, expert
-  weights scaled by the share of experts a token runs (``num_experts_per_tok`` of them);
+* the matmuls: 2 x (the body's weight matrices but the embedding's: linear layers,
+  routers, fused experts) per token, expert weights scaled by the share of experts a
+  token runs (``num_experts_per_tok`` of them);
 * attention: 2 x 2 x heads x head_dim per (query row, key it sees) per layer (QK^T and
   PV), each row seeing the keys up to its position (within a sliding window where the
   layer has one, counted as if every layer had the model's window).
@@ -29,15 +30,13 @@ class StepFlops:
         body = getattr(model, "model", model)
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
         active = getattr(config, "num_experts_per_tok", 0) or 0
-        weights = 0.0
+        weights = 0.0  # every matrix of the body but the embedding: linear layers, routers
         for name, module in body.named_modules():
-            if isinstance(module, nn.Linear):
-                share = active / experts if experts and ".experts." in f".{name}." else 1.0
-                weights += module.weight.numel() * share
-            elif ".experts" in f".{name}" and experts and hasattr(module, "gate_up_proj"):
-                # Fused expert weights (one parameter over every expert).
-                fused = sum(p.numel() for p in module.parameters(recurse=False))
-                weights += fused * active / experts
+            if isinstance(module, nn.Embedding):
+                continue
+            share = active / experts if experts and ".experts" in f".{name}" else 1.0
+            matrices = (p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+            weights += sum(matrices) * share
         self.per_token = 2.0 * weights
         """Linear-layer FLOPs per token (this rank's share of a sharded model)."""
         head_dim = getattr(config, "head_dim", None) or (

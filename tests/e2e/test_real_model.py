@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.hf_reference import hf_greedy, hf_greedy_steps
 from support.http import post_json
 from support.serve import running_http_serve
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from expeditor.llm import LLM
 from gpu_worker.model_source import resolve_model
@@ -64,32 +65,9 @@ def prompts(checkpoint: Path) -> list[list[int]]:
     ]
 
 
-def hf_steps(
-    checkpoint: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu"
-) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-step log-softmax (on the host), each prompt alone."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        with torch.inference_mode():
-            run = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        scores = [s[0].float().log_softmax(-1).cpu() for s in run.scores]
-        out.append((run.sequences[0, len(prompt) :].tolist(), scores))
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_float32(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return [tokens for tokens, _ in hf_steps(checkpoint, prompts, torch.float32)]
+    return hf_greedy(checkpoint, prompts, NEW_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -163,7 +141,7 @@ def test_bfloat16_on_cuda_is_logprob_close(checkpoint: Path, prompts: list[list[
 
 
 def check_bfloat16(checkpoint: Path, prompts: list[list[int]], device: str) -> None:
-    reference = hf_steps(checkpoint, prompts, torch.bfloat16, device)
+    reference = hf_greedy_steps(checkpoint, prompts, NEW_TOKENS, device, torch.bfloat16)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP)
     dtype = "auto" if device == "cuda" else "bfloat16"
     with LLM(NAME, device=device, dtype=dtype, num_gpu_blocks=1024) as llm:

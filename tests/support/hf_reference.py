@@ -19,20 +19,35 @@ def hf_greedy(
     checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
 ) -> list[list[int]]:
     """The new tokens transformers generates greedily (float32) for each prompt."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    return [tokens for tokens, _ in hf_greedy_steps(checkpoint, prompts, max_new_tokens, device)]
+
+
+def hf_greedy_steps(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Per prompt, run alone: transformers' greedy new tokens and each step's float32
+    log-softmax over the vocabulary (on the host)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
     model.eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
         with torch.inference_mode():
-            generated = model.generate(
+            run = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        outputs.append(generated[0, len(prompt) :].tolist())
+        scores = [s[0].float().log_softmax(-1).cpu() for s in run.scores]
+        outputs.append((run.sequences[0, len(prompt) :].tolist(), scores))
     return outputs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,18 @@ def test_linear_and_attention_flops_of_a_step(model: Path) -> None:
     assert flops.per_key == 4.0 * heads * d * layers
     # A decode at position 9 (10 keys) and a 4-token prompt (1 + 2 + 3 + 4 keys).
     assert flops.step([9, 0], [0, 1, 5]) == 5 * flops.per_token + 20 * flops.per_key
+
+
+def test_experts_count_by_the_share_a_token_runs(tiny_checkpoint: Callable[[str], Path]) -> None:
+    path = tiny_checkpoint("mixtral")
+    config = AutoConfig.from_pretrained(path)
+    body = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model
+    matrices = {n: p.numel() for n, p in body.named_parameters() if p.dim() >= 2}
+    experts = sum(v for n, v in matrices.items() if ".experts." in n)
+    dense = sum(v for n, v in matrices.items() if ".experts." not in n and "embed" not in n)
+    share = config.num_experts_per_tok / config.num_local_experts
+    assert experts and share < 1
+    assert StepFlops(body, config).per_token == 2.0 * (dense + experts * share)
 
 
 def test_step_timer_reports_achieved_gflops() -> None:
