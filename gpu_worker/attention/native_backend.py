@@ -183,6 +183,9 @@ class NativeStep:
     groups: list[Group]
     covered: bool
     """Every token is a sequence's query row."""
+    caches_checked: bool = False
+    """The step's first layer found its caches in the kernel's layout (every layer's
+    caches are views of one KV tensor: the same dtype and strides)."""
 
 
 def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
@@ -239,14 +242,16 @@ class NativeBackend(AttentionBackend):
     ) -> Tensor:
         step: NativeStep = meta.plan
         key_cache, value_cache = caches = meta.layer_caches[layer]
-        inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
         dtype = self.kernels.dtype
         rows = (t.dtype == dtype and t.stride(2) == 1 for t in (q, k, v))
         if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
             raise ValueError(f"native attention takes {dtype} rows of the step's tokens")
-        layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
-        if key_cache.dtype != dtype or layout != (dtype, key_cache.stride(), inner):
-            raise ValueError(f"native attention takes {dtype} caches, contiguous within a block")
+        if not step.caches_checked:
+            inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
+            layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
+            if key_cache.dtype != dtype or layout != (dtype, key_cache.stride(), inner):
+                raise ValueError(f"native attention takes {dtype} caches, contiguous in a block")
+            step.caches_checked = True
         self.kernels.store_kv(k, v, caches, step.slots)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, caches, step, out, p)

@@ -327,7 +327,9 @@ def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
         with pytest.raises(ValueError, match="native attention takes"):
             backend.forward(meta, 0, *args[:3], layer_params(0.25, None, None))
     meta.layer_caches[0] = (key_cache, value_cache)
+    assert not meta.plan.caches_checked  # refused steps leave the check to be made
     assert backend.forward(meta, 0, q, k, v, layer_params(0.25, None, None)).shape == q.shape
+    assert meta.plan.caches_checked  # once per step: the other layers' caches share it
     layout = SimpleNamespace(num_layers=2, num_kv_heads=2, block_size=4, dtype=torch.float32)
     cpu = torch.device("cpu")
     for head_dim, ok in ((256, True), (264, False)):
