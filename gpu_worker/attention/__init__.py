@@ -170,7 +170,7 @@ def choose_backend(
         if kernels is None:
             reason = f"no native kernel: {why}"
         else:
-            reason = kernels.path.name
+            reason = f"{kernels.path.name}: {', '.join(kernels.features) or 'plain C'}"
             backend = native_backend.NativeBackend(layout, num_heads, device, kernels)
     backend = backend or torch_backend.TorchBackend(layout, num_heads, device)
     log.info("attention: %s backend (%s)", backend.name, reason)

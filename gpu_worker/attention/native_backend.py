@@ -4,7 +4,9 @@ bfloat16 (K/V, queries and outputs in the model's dtype; float32 sums either way
 On a CPU the torch backend spends most of a layer on bookkeeping: gathering K/V copies,
 masks, a call per group. The kernel attends every sequence straight from the block
 tables, each key and value row read once for all the query heads of its KV head, with
-an online softmax (windows and soft-capping too), and stores the step's new K/V. A
+an online softmax (windows and soft-capping too), and stores the step's new K/V. With
+AVX-512 it reads keys in tiles of 16 (a tile's rows whole, once for the sequence's query
+heads) and in bfloat16 takes the scores as AVX-512 BF16 dot products (:data:`FEATURES`). A
 sequence with more than :data:`PROMPT_ROWS` query rows (a prompt chunk) attends through
 the torch backend's groups instead, where SDPA's blocked matmuls beat the kernel's
 vector-at-a-time loops, except in a soft-capped layer (SDPA cannot cap). The plan makes
@@ -53,6 +55,10 @@ MAX_HEAD_DIM = MAX_BLOCK_SIZE = 256
 """The kernel's limits (``MAX_HEAD_DIM``, ``MAX_BLOCK`` in the source)."""
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 """The kernel's dtypes and its entry points' suffixes."""
+FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"))
+"""``expeditor_kernel_features()``'s bits: AVX2 and FMA loops; AVX-512 tiles of 16 keys,
+each key and value row read once for all the query vectors of its sequence; AVX-512 BF16
+dot products (``vdpbf16ps``) for a bf16 layer's scores."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -114,7 +120,13 @@ class NativeKernels:
         lib = ctypes.CDLL(str(path))
         self._attend = getattr(lib, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
         self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
-        self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F]
+        self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F, ctypes.c_int]
+        bits = lib.expeditor_kernel_features()
+        self.features = tuple(name for bit, name in FEATURES if bits & bit)
+        """What the build uses (``FEATURES``' names): ``-march=native`` decides."""
+        self.tiles = True
+        """With ``avx512``: attend in tiles of 16 keys (block sizes a multiple of 16,
+        head_dim of 32, no soft-capping); else, or False, vector by vector."""
         self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
         self._store.restype = None
         self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
@@ -138,7 +150,7 @@ class NativeKernels:
         tables = (step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr())
         shape = (seqs.data_ptr(), len(seqs), q.shape[1], *caches[0].shape[1:])
         args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
-        if self._attend(*args, p.scale, p.window, p.softcap):
+        if self._attend(*args, p.scale, p.window, p.softcap, self.tiles):
             raise ValueError("native attention refused the shapes")
 
 

@@ -4,7 +4,8 @@
  * caches [blocks, block_size, kv_heads, head_dim], block_stride floats apart, contiguous
  * within a block; tables[s, j] int32, table_stride apart; seqs (int64) the sequences to
  * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
- * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C.
+ * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C;
+ * with AVX-512 (and tiles set) keys go in tiles of 16, see attend_tiles.
  * The caller has checked every index.
  *
  * The code below the prelude is written once over an element type T and compiled twice:
@@ -20,8 +21,19 @@
 #else
 #define HAVE_AVX2 0
 #endif
+#if HAVE_AVX2 && defined(__AVX512F__)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_AVX512BF16 1
+#else
+#define HAVE_AVX512BF16 0
+#endif
 
-#define MAX_VECTORS 16   /* query vectors attended together */
+#define MAX_VECTORS 16   /* query vectors attended together (per KV head) */
+#define TILE_KV_HEADS 8  /* KV heads attended together in tiles */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 
@@ -53,6 +65,47 @@ static inline __m256 exp8(__m256 x) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+#if HAVE_AVX512
+/* Lane j: the sum of a[TILE_SLOT[j]]'s lanes (the order the shuffles below leave). */
+static const int TILE_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44),
+                             _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+/* exp8 on sixteen lanes. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 floor_x = _mm512_set1_ps(-87.0f);
+    const __mmask16 below = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor_x);
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(~below, p, _mm512_castsi512_ps(bits));
 }
 #endif
 
@@ -102,17 +155,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* What this build uses: 1 AVX2 and FMA, 2 AVX-512 tiles, 4 AVX-512 BF16 dot products. */
+int expeditor_kernel_features(void) { return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2; }
+
 #define T float
 #define NAME(x) x##_f32
 #define LOAD(p) (*(p))
 #define STORE(x) (x)
 #define LOAD8(p) _mm256_loadu_ps(p)
+#define LOAD16(p) _mm512_loadu_ps(p)
+#define DOT_BF16 0
 #include __FILE__
 #undef T
 #undef NAME
 #undef LOAD
 #undef STORE
 #undef LOAD8
+#undef LOAD16
+#undef DOT_BF16
 
 #define T uint16_t
 #define NAME(x) x##_bf16
@@ -121,6 +181,10 @@ static inline uint16_t f32_to_bf16(float f) {
 #define LOAD8(p)                                                                       \
     _mm256_castsi256_ps(                                                               \
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD16(p)                                                                      \
+    _mm512_castsi512_ps(                                                               \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define DOT_BF16 HAVE_AVX512BF16 /* q . k in bf16 pairs, float32 sums (vdpbf16ps) */
 #include __FILE__
 
 #else /* the code over T */
@@ -285,6 +349,160 @@ static inline __attribute__((always_inline)) void NAME(attend_vectors)(
     }
 }
 
+#if HAVE_AVX512
+/* The same attention with keys in tiles of 16 slots (block_size a multiple of 16) and
+ * sixteen-lane registers: a vector's 16 scores of a tile are one register (its mask, max,
+ * exponentials and sum too), each key and value row is loaded once per tile for G
+ * vectors at a time, and in bf16 the scores are vdpbf16ps dot products of the raw bf16
+ * query and key pairs (the scale applied to the sums). */
+#if DOT_BF16
+#define QLANES 32
+#define QREG __m512bh
+#else
+#define QLANES 16
+#define QREG __m512
+#endif
+
+/* acc[g] += sum_j p[g][j] * v_j over the tile's first n slots, for G vectors. */
+static inline __attribute__((always_inline)) void NAME(tile_values)(
+    float *acc, const float *p, const T *vb, int64_t key_row, int64_t n, const int64_t head_dim,
+    const int G) {
+    for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
+        const int64_t lanes = head_dim - c0 < 64 ? (head_dim - c0) / 16 : 4;
+        __m512 a[4][4], vv[4];
+        for (int g = 0; g < G; g++)
+            for (int64_t c = 0; c < lanes; c++)
+                a[g][c] = _mm512_loadu_ps(acc + g * head_dim + c0 + 16 * c);
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t c = 0; c < lanes; c++) vv[c] = LOAD16(vb + j * key_row + c0 + 16 * c);
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(p[g * 16 + j]);
+                for (int64_t c = 0; c < lanes; c++) a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int64_t c = 0; c < lanes; c++)
+                _mm512_storeu_ps(acc + g * head_dim + c0 + 16 * c, a[g][c]);
+    }
+}
+
+static inline __attribute__((always_inline)) void NAME(attend_tiles)(
+    const T *q, int64_t q_tok, int64_t q_head, const T *key_cache, const T *value_cache,
+    T *out, int64_t o_tok, int64_t o_head, const int32_t *table, int64_t q0,
+    int64_t first_pos, int64_t per_kv, int64_t kv0, int64_t n_kv, int64_t v0, int64_t nv,
+    int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
+    float scale, int64_t window) {
+    /* Vectors v0 .. v0 + nv of each of KV heads kv0 .. kv0 + n_kv, the heads' state side by
+     * side so that a tile's rows are read whole, once. */
+    QREG qv[n_kv][nv][head_dim / QLANES];
+    float acc[n_kv][nv][head_dim], p[n_kv][nv][16], run_max[n_kv][nv], run_sum[n_kv][nv];
+    int32_t row_pos[MAX_VECTORS];
+    const int64_t low_pos = first_pos + v0 / per_kv, hi = first_pos + (v0 + nv - 1) / per_kv;
+    const int64_t lo = window > 0 && low_pos - window + 1 > 0 ? low_pos - window + 1 : 0;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t lines = n_kv * head_dim * (int64_t)sizeof(T); /* bytes of a slot's heads */
+    for (int64_t r = 0; r < nv; r++) row_pos[r] = (int32_t)(first_pos + (v0 + r) / per_kv);
+    for (int64_t h = 0; h < n_kv; h++)
+        for (int64_t r = 0; r < nv; r++) {
+            const int64_t vec = v0 + r, row = vec / per_kv;
+            const T *src = q + (q0 + row) * q_tok + ((kv0 + h) * per_kv + vec % per_kv) * q_head;
+            for (int64_t c = 0; c < head_dim / QLANES; c++)
+#if DOT_BF16
+                memcpy(&qv[h][r][c], src + QLANES * c, sizeof qv[h][r][c]);
+#else
+                qv[h][r][c] = _mm512_mul_ps(LOAD16(src + QLANES * c), _mm512_set1_ps(scale));
+#endif
+            memset(acc[h][r], 0, sizeof acc[h][r]);
+            run_max[h][r] = -INFINITY;
+            run_sum[h][r] = 0.0f;
+        }
+    for (int64_t base = lo / 16 * 16; base <= hi; base += 16) {
+        const int64_t n = hi + 1 - base < 16 ? hi + 1 - base : 16;
+        const int64_t at = table[base / block_size] * block_stride + base % block_size * key_row +
+                           kv0 * head_dim;
+        if (base + 16 <= hi) { /* fetch the next tile early: it may be in another block */
+            const int64_t next = base + 16;
+            const int64_t at2 = table[next / block_size] * block_stride +
+                                next % block_size * key_row + kv0 * head_dim;
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t b = 0; b < lines; b += 64) {
+                    __builtin_prefetch((const char *)(key_cache + at2 + j * key_row) + b);
+                    __builtin_prefetch((const char *)(value_cache + at2 + j * key_row) + b);
+                }
+        }
+        const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int32_t)base), iota);
+        for (int64_t h = 0; h < n_kv; h++) {
+            const T *kb = key_cache + at + h * head_dim, *vb = value_cache + at + h * head_dim;
+            for (int64_t r = 0; r < nv; r++) {
+                __mmask16 seen = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(row_pos[r]));
+                if (window > 0)
+                    seen &= _mm512_cmpgt_epi32_mask(
+                        keys, _mm512_set1_epi32(row_pos[r] - (int32_t)window));
+                if (!seen) { /* keys of later rows, or below the row's window */
+                    memset(p[h][r], 0, sizeof p[h][r]);
+                    continue;
+                }
+                __m512 a[16];
+                for (int j = 0; j < 16; j++) { /* slots past n: in the block, masked below */
+                    const T *k = kb + j * key_row;
+                    __m512 s = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < head_dim / QLANES; c++) {
+#if DOT_BF16
+                        __m512bh kk;
+                        memcpy(&kk, k + QLANES * c, sizeof kk);
+                        s = _mm512_dpbf16_ps(s, qv[h][r][c], kk);
+#else
+                        s = _mm512_fmadd_ps(qv[h][r][c], LOAD16(k + QLANES * c), s);
+#endif
+                    }
+                    a[TILE_SLOT[j]] = s;
+                }
+                __m512 scores = sum16(a);
+#if DOT_BF16
+                scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
+#endif
+                float *m = &run_max[h][r];
+                const float top = _mm512_mask_reduce_max_ps(seen, scores);
+                const float new_max = top > *m ? top : *m;
+                const float alpha = *m == -INFINITY ? 0.0f
+                                    : new_max == *m ? 1.0f
+                                                    : expf(*m - new_max);
+                *m = new_max;
+                const __m512 shifted = _mm512_maskz_sub_ps(seen, scores, _mm512_set1_ps(new_max));
+                const __m512 e = _mm512_maskz_mov_ps(seen, exp16(shifted));
+                run_sum[h][r] = run_sum[h][r] * alpha + _mm512_reduce_add_ps(e);
+                _mm512_storeu_ps(p[h][r], e);
+                if (alpha != 1.0f)
+                    for (int64_t d = 0; d < head_dim; d++) acc[h][r][d] *= alpha;
+            }
+            for (int64_t r0 = 0; r0 < nv; r0 += 4) {
+                float *a0 = acc[h][r0];
+                const float *p0 = p[h][r0];
+                switch (nv - r0 < 4 ? nv - r0 : 4) {
+                case 1: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 1); break;
+                case 2: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 2); break;
+                case 3: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 3); break;
+                default: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 4); break;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < n_kv; h++)
+        for (int64_t r = 0; r < nv; r++) {
+            const int64_t vec = v0 + r, row = vec / per_kv;
+            T *dst = out + (q0 + row) * o_tok + ((kv0 + h) * per_kv + vec % per_kv) * o_head;
+            const float inv = run_sum[h][r] > 0.0f ? 1.0f / run_sum[h][r] : 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[h][r][d] * inv);
+        }
+}
+#undef QLANES
+#undef QREG
+#define TILES(D)                                                                             \
+    NAME(attend_tiles)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0, \
+                       first_pos, per_kv, kv0, n_kv, v0, nv, key_row, block_stride, D,          \
+                       block_size, scale, window)
+#endif
+
 #define ATTEND(D)                                                                            \
     NAME(attend_vectors)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0,  \
                    first_pos, per_kv, kv, v0, nv, key_row, block_stride, D, block_size, scale, \
@@ -297,7 +515,7 @@ int NAME(expeditor_paged_attention)(
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
     int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, float softcap) {
+    float scale, int64_t window, float softcap, int tiles) {
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0 ||
         num_heads % num_kv_heads != 0)
         return -1;
@@ -312,6 +530,22 @@ int NAME(expeditor_paged_attention)(
         const int32_t *table = tables + s * table_stride;
         const int64_t first_pos = n_keys - n_rows;
         const int64_t n_vectors = n_rows * per_kv;
+#if HAVE_AVX512
+        if (tiles && softcap <= 0.0f && block_size % 16 == 0 && head_dim % 32 == 0) {
+            for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS)
+                for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += TILE_KV_HEADS) {
+                    const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
+                    const int64_t left = num_kv_heads - kv0;
+                    const int64_t n_kv = left < TILE_KV_HEADS ? left : TILE_KV_HEADS;
+                    switch (head_dim) {
+                    case 64: TILES(64); break;
+                    case 128: TILES(128); break;
+                    default: TILES(head_dim); break;
+                    }
+                }
+            continue;
+        }
+#endif
         for (int64_t kv = 0; kv < num_kv_heads; kv++)
             for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS) {
                 const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
@@ -348,4 +582,5 @@ void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T
 }
 
 #undef ATTEND
+#undef TILES
 #endif /* T */

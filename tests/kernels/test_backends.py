@@ -23,6 +23,8 @@ from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import store_kv_ref
 
 BACKENDS = ["torch", "native", "triton"]
+NATIVE = ["native", "native-vectors"]
+"""The native kernel with its AVX-512 tiles (where built) and without."""
 
 
 def run_both(
@@ -90,7 +92,7 @@ def assert_same(
         torch.testing.assert_close(out, ref, atol=tol, rtol=5 * tol)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", *NATIVE])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (2, 4), (1, 8)])
 @pytest.mark.parametrize("seed", [0, 1])
@@ -103,34 +105,43 @@ def test_mixed_steps_match_the_reference(
     assert_same(kv, *run_both(backend, kv, meta, layers, group))
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", *NATIVE])
 @pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim"), [(2, 4, 32), (3, 3, 64), (2, 2, 20)]
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(2, 4, 32, 4), (3, 3, 64, 4), (2, 2, 20, 4), (3, 3, 64, 16), (9, 1, 128, 32)],
 )
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, 2.0)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (5, 2.0)])
 def test_bfloat16_steps_match_the_reference(
-    backend: str, num_kv_heads: int, group: int, head_dim: int, window: int | None,
-    softcap: float | None,
+    backend: str, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+    window: int | None, softcap: float | None,
 ) -> None:  # fmt: skip
     """bfloat16 caches, queries and outputs (a bf16 CPU worker's): the stores are the
     same bits, the outputs within bf16's rounding of the reference run in bf16 (float32
-    sums on both sides; each rounds its output once)."""
+    sums on both sides; each rounds its output once). Block sizes of 16 and 32 take the
+    kernel's AVX-512 tiles where the build has them (bf16 dot products with AVX-512 BF16),
+    and 9 KV heads more than the tiles' 8 at a time."""
     seqs = [(1, 1), (9, 9), (30, 30), (40, 5), (70, 20), (12, 0), (33, 1), (140, 1)]
-    kv, meta, layers = make_step(seqs, num_kv_heads, group, head_dim, 4, 5, 2, torch.bfloat16)
+    kv, meta, layers = make_step(
+        seqs, num_kv_heads, group, head_dim, block_size, 5, 2, torch.bfloat16
+    )
     outs, expected, expected_kv = run_both(backend, kv, meta, layers, group, window, softcap)
     assert kv.dtype == torch.bfloat16 and outs[0].dtype == torch.bfloat16
     assert_same(kv, outs, expected, expected_kv, tol=1.6e-2)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("backend", "head_dim", "block_size"),
+    [(b, 16, 4) for b in BACKENDS] + [(b, 32, 16) for b in NATIVE],
+)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 2.0), (20, 2.0)])
 def test_windows_softcap_gqa_and_rows_outside(
-    backend: str, window: int | None, softcap: float | None
+    backend: str, head_dim: int, block_size: int, window: int | None, softcap: float | None
 ) -> None:
     """A decode, a short and a long prompt, a short and a long chunk, an idle sequence;
-    tokens without slots before them: windows under a block and across blocks."""
+    tokens without slots before them: windows under a block and across blocks (and, at
+    block size 16, the native kernel's tiles)."""
     seqs = [(1, 1), (9, 9), (30, 30), (40, 5), (70, 20), (12, 0), (33, 1)]
-    kv, meta, layers = make_step(seqs, 2, 4, 16, 4, seed=31, lead_rows=2)
+    kv, meta, layers = make_step(seqs, 2, 4, head_dim, block_size, seed=31, lead_rows=2)
     outs, expected, expected_kv = run_both(backend, kv, meta, layers, 4, window, softcap)
     if backend == "triton":  # rows outside every sequence: left as they are
         outs, expected = [o[2:] for o in outs], [e[2:] for e in expected]
@@ -139,7 +150,7 @@ def test_windows_softcap_gqa_and_rows_outside(
         assert torch.equal(out[:2], torch.zeros_like(out[:2]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "native-vectors"])
 def test_decodes_of_several_blocks(backend: str) -> None:
     g = torch.Generator().manual_seed(3)
     seqs = [(int(n), 1) for n in torch.randint(1, 120, (12,), generator=g)]
@@ -147,7 +158,7 @@ def test_decodes_of_several_blocks(backend: str) -> None:
     assert_same(kv, *run_both(backend, kv, meta, layers, 4, window=40))
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", *NATIVE])
 @pytest.mark.parametrize("lens", [[512, 512], [37, 100, 5], [1], [16, 17]])
 def test_whole_prompts(backend: str, lens: list[int]) -> None:
     kv, meta, layers = make_step([(n, n) for n in lens], 2, 2, 16, 16, seed=len(lens))

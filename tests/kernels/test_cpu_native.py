@@ -423,18 +423,40 @@ def test_builds_are_kept_per_kind_of_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     assert second != first and {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
 
 
-def test_the_portable_build_matches_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+CPUINFO = Path("/proc/cpuinfo")
+CPU_FLAGS = set(CPUINFO.read_text().split()) if CPUINFO.exists() else set()
+
+
+@pytest.mark.parametrize(
+    ("tune", "features"), [((), ()), (("-march=native", "-mno-avx512f"), ("avx2",))]
+)
+def test_the_portable_and_avx2_builds_match_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tune: tuple[str, ...],
+    features: tuple[str, ...],
+) -> None:  # fmt: skip
     """Built without ``-march=native`` (x86-64's baseline has no AVX2), the kernel runs its
-    plain C loops: the same results, windows and soft-capping too."""
-    monkeypatch.setattr(native_backend, "TUNE", ())
-    portable = NativeKernels(native_backend.build(tmp_path))
-    monkeypatch.setattr(native_backend, "_loaded", lambda dtype: portable)
+    plain C loops; built without AVX-512, its AVX2 loops: the same results, windows and
+    soft-capping too."""
+    if tune and not {"avx2", "fma"} <= CPU_FLAGS:
+        pytest.skip("the CPU has no AVX2")
+    monkeypatch.setattr(native_backend, "TUNE", tune)
+    built = NativeKernels(native_backend.build(tmp_path))
+    assert built.features == features
+    monkeypatch.setattr(native_backend, "_loaded", lambda dtype: built)
     for head_dim, block_size, window, softcap in ((20, 4, None, None), (32, 16, 9, 3.0)):
         kv, meta, layers = make_step(mixed_seqs(head_dim, 120), 2, 2, head_dim, block_size, 7)
         check_native(kv, meta, layers, 2, window, softcap)
-        assert meta.backend.kernels is portable  # type: ignore[attr-defined]
+        assert meta.backend.kernels is built  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the CPU has no AVX-512")
+def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:
+    """``-march=native`` on an AVX-512 CPU builds the tiles (and the bf16 dot products
+    where the CPU has AVX-512 BF16): the other tests then run them."""
+    kernels = native_backend._loaded(torch.bfloat16)
+    assert isinstance(kernels, NativeKernels) and kernels.tiles
+    bf16 = ("avx512_bf16",) if "avx512_bf16" in CPU_FLAGS else ()
+    assert kernels.features == ("avx2", "avx512", *bf16)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
