@@ -28,6 +28,7 @@ from gpu_worker.dtype import resolve_dtype
 from gpu_worker.event_clock import EventClock
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
+from gpu_worker.logits_shaping import History, bad_word_bans
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_source import resolve_model
 from gpu_worker.sampler import Sampler, sample_key
@@ -242,12 +243,19 @@ class ModelRunner:
                 probe,
             )
             rows = hidden[-1:].expand(max_num_seqs, -1)
-            busiest = SamplingParams(temperature=1.0, top_p=0.9, seed=0, logprobs=20)
+            # Every row with every control: the sampler's largest temporaries.
+            busiest = SamplingParams(
+                temperature=1.0, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
+                repetition_penalty=1.1, frequency_penalty=0.5, logit_bias={0: 1.0},
+                allowed_token_ids=(0, 1),
+            )  # fmt: skip
+            history = History(np.arange(max_tokens) % 2, np.zeros(1, dtype=np.int64))
             self.sampler.sample(
                 self.logits(rows),
                 [busiest] * max_num_seqs,
                 [sample_key(0, i) for i in range(max_num_seqs)],
                 [[0]] * max_num_seqs,
+                [history] * max_num_seqs,
             )
             del hidden, rows
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -390,6 +398,7 @@ class ModelRunner:
                 or p.logprobs is not None
                 or (p.temperature != 0 and p.top_k != 1)
                 or seq.num_output_tokens < p.min_tokens
+                or p.shapes_logits
             ):
                 return self._sample_rows(batch, inputs, hidden)
             rows.append(ends[index + 1] - 1)
@@ -418,6 +427,7 @@ class ModelRunner:
         params: list[SamplingParams] = []
         keys: list[int | None] = []
         masked: list[np.ndarray] = []
+        histories: list[History | None] = []
         no_mask = np.empty(0, dtype=np.int64)
         owners: list[str] = []
         for index, item in enumerate(batch):
@@ -431,11 +441,20 @@ class ModelRunner:
                     ids = [*p.stop_token_ids, *self.eos_token_ids]
                     seq.banned_ids = np.unique(np.array(ids, dtype=np.int64))
                 banned = seq.banned_ids
+            output = seq.token_ids[seq.num_prompt_tokens :]
+            if p.bad_words_token_ids:
+                bans = bad_word_bans(p.bad_words_token_ids, output)
+                banned = np.concatenate([banned, np.array(bans, dtype=np.int64)])
+            history = None
+            if p.penalised:
+                prompt = np.array(seq.token_ids[: seq.num_prompt_tokens], dtype=np.int64)
+                history = History(prompt, np.array(output, dtype=np.int64))
             for sample_index in item.sample_indices:
                 rows.append(inputs.query_start_loc[index + 1] - 1)
                 params.append(p)
                 keys.append(sample_key(p.seed, sample_index, len(seq.token_ids)))
                 masked.append(banned)
+                histories.append(history)
                 owners.append(seq.seq_id)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] | None = None
@@ -443,7 +462,7 @@ class ModelRunner:
             return sampled, logprobs
         index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
         logits = self.logits(hidden.index_select(0, index))  # rows repeat for n > 1
-        out = self.sampler.sample(logits, params, keys, masked)
+        out = self.sampler.sample(logits, params, keys, masked, histories)
         for row, seq_id in enumerate(owners):
             sampled.setdefault(seq_id, []).append(out.token_ids[row])
             entry = out.logprobs[row] if out.logprobs is not None else None

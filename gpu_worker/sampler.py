@@ -1,4 +1,5 @@
-"""Token sampling for one decode step: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Token sampling for one decode step: greedy, temperature, min-p, top-k, top-p, seeds,
+logprobs.
 
 :meth:`Sampler.sample` picks exactly one token per row of a ``[R, V]`` logits tensor
 (the caller expands a request with ``n > 1`` into ``n`` rows, each with its own
@@ -6,12 +7,17 @@ sample index, hence its own key in step 7). For every row ``r`` it applies, in t
 
 1. **Masking.** ``masked_token_ids[r]`` (ids ``>= V`` are ignored) get logit ``-inf``.
    The caller passes EOS and the stop token ids while a request is below
-   ``min_tokens``. At least one token of every row must stay unmasked.
+   ``min_tokens``, and the last tokens of bad words. At least one token of every row
+   must stay unmasked.
 2. **Float32.** Everything below is computed in float32, whatever the logits dtype.
+   Then the shaping of :mod:`gpu_worker.logits_shaping`: allowed tokens, logit bias,
+   presence, frequency and repetition penalties (over ``histories[r]``).
 3. **Greedy rows** (``temperature == 0`` or ``top_k == 1``) take the argmax of the
    masked logits (the lowest id among ties). Nothing else applies to them.
 4. **Temperature.** ``x = (logits - max(logits)) / temperature`` (subtracting the row
    max does not change the distribution; it keeps tiny temperatures from overflowing).
+   **Min-p** (``min_p > 0``): tokens whose probability is below ``min_p`` times the most
+   likely one's get ``-inf`` (vLLM's order: before top-k and top-p).
 5. **Top-k** (``top_k > 0``): only the ``top_k`` largest ``x`` stay; ties at the
    boundary are broken towards the lower token id (a stable descending sort).
 6. **Top-p** (``top_p < 1``): over ``softmax(x)`` of the tokens kept by top-k, in the
@@ -28,10 +34,11 @@ sample index, hence its own key in step 7). For every row ``r`` it applies, in t
    generator object is made per row.
 
 **Logprobs** (rows whose ``SamplingParams.logprobs`` is not ``None``) are values of
-``log_softmax`` over the vocabulary of the float32 logits *after step 1 (masking) and
-before temperature, top-k and top-p* -- the distribution the model gives over the
-tokens the request may emit. vLLM's default ("raw" logprobs) is the same except that
-it takes them before its min-tokens masking too. Each such row's dict maps the sampled
+``log_softmax`` over the vocabulary of the float32 logits *after steps 1 and 2 (masking,
+bias, penalties) and before temperature, min-p, top-k and top-p* -- the distribution
+the model gives over the tokens the request may emit, as its parameters shape it.
+vLLM's default ("raw" logprobs) takes them before all of that (its "processed_logits"
+mode after). Each such row's dict maps the sampled
 token and the ``logprobs`` most likely tokens to their logprob (so it has
 ``logprobs + 1`` entries, or ``logprobs`` when the sampled token is among the most
 likely); masked tokens appear only with logprob ``-inf``, and only when fewer than
@@ -55,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gpu_worker.logits_shaping import History, shape_logits, shaping_arrays
 from gpu_worker.staging import Staging
 from shared.sampling import SamplingParams
 
@@ -132,11 +140,13 @@ class Sampler:
         params: Sequence[SamplingParams],
         keys: Sequence[int | None],
         masked_token_ids: Sequence[Sequence[int] | np.ndarray],
+        histories: Sequence[History | None] | None = None,
     ) -> SampleOutput:
         """Sample one token for each row of ``logits`` (``[R, V]``, any float dtype).
 
-        ``params[r]``, ``keys[r]`` (:func:`sample_key`; ``None`` = default RNG) and
-        ``masked_token_ids[r]`` (ids forbidden in row ``r``) describe row ``r``. The
+        ``params[r]``, ``keys[r]`` (:func:`sample_key`; ``None`` = default RNG),
+        ``masked_token_ids[r]`` (ids forbidden in row ``r``: below ``min_tokens``, bad
+        words) and ``histories[r]`` (its tokens, for penalties) describe row ``r``. The
         caller's tensor is never modified.
         """
         if logits.dim() != 2:
@@ -152,7 +162,13 @@ class Sampler:
         staging = self._staging_for(logits.device)
         greedy = [p.temperature == 0 or p.top_k == 1 for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not want_logprobs and not any(len(m) for m in masked_token_ids):
+        shaped = any(p.shapes_logits for p in params)
+        if (
+            all(greedy)
+            and not want_logprobs
+            and not shaped
+            and not any(len(m) for m in masked_token_ids)
+        ):
             # All greedy, nothing masked, no logprobs: one argmax, one transfer.
             return SampleOutput(
                 token_ids=staging.to_host(logits.float().argmax(dim=-1)),
@@ -160,11 +176,15 @@ class Sampler:
             )
 
         host = _host_arrays(params, keys, masked_token_ids, greedy, vocab)
+        if shaped:
+            host.update(shaping_arrays(params, histories or [None] * num_rows, vocab))
         dev = staging.to_device(host)
         logits = logits.float()
         if "mask_rows" in dev:
             minus_inf = torch.full((), -torch.inf, device=logits.device)
             logits = logits.index_put((dev["mask_rows"], dev["mask_cols"]), minus_inf)
+        if shaped:
+            logits = shape_logits(logits, dev)
         random_rows = host["random_rows"]
         if random_rows.size == 0:
             tokens = logits.argmax(dim=-1)
@@ -191,6 +211,10 @@ class Sampler:
         (the parameters in ``dev`` are those rows')."""
         num_rows, vocab = logits.shape
         x = (logits - logits.amax(dim=-1, keepdim=True)) / dev["temperature"][:, None]
+        if bool((host["min_p"] > 0).any()):
+            # Less likely than min_p times the most likely token (max(x) = 0: its
+            # probability is 1 / sum(exp(x)), so the test needs no softmax).
+            x = x.masked_fill(x.exp() < dev["min_p"][:, None], -torch.inf)
         top_k, top_p = host["top_k"], host["top_p"]
         use_top_k = bool(((top_k > 0) & (top_k < vocab)).any())
         use_top_p = bool((top_p < 1).any())
@@ -261,6 +285,7 @@ def _host_arrays(
         ),
         "top_k": np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]),
         "top_p": np.array([p.top_p for p in chosen], dtype=np.float32),
+        "min_p": np.array([p.min_p for p in chosen], dtype=np.float32),
         "keyed": np.array(keyed, dtype=np.int64),
         "keys": np.array([keys[random_rows[i]] for i in keyed], dtype=np.int64),
     }

@@ -365,7 +365,14 @@ class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown", tag_fi
 # -- client <-> scheduler ------------------------------------------------------------------
 
 
-class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_field="type"):
+class Generate(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag="generate",
+    tag_field="type",
+    forbid_unknown_fields=True,
+):
     """Submit a request: exactly one of ``prompt`` (text) and ``prompt_token_ids``."""
 
     request_id: str

@@ -20,13 +20,21 @@ class IncrementalDetokenizer:
     WINDOW_TAIL = 6
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, lazy: bool = False
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        *,
+        lazy: bool = False,
+        keep_stop: bool = False,
     ) -> None:
         """``lazy`` (no stop strings): nothing is decoded while tokens come in; the
-        whole text is decoded once, by :meth:`flush` at the end."""
+        whole text is decoded once, by :meth:`flush` at the end. ``keep_stop``
+        (``include_stop_str_in_output``): the text ends with the stop string found
+        instead of before it."""
         if lazy and stop:
             raise ValueError("a lazy detokenizer cannot look for stop strings")
         self.lazy = lazy
+        self.keep_stop = keep_stop
         self.tokenizer = tokenizer
         self.stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -47,8 +55,8 @@ class IncrementalDetokenizer:
 
         With stop strings, the last ``len(longest stop) - 1`` characters are held back
         until they cannot start a stop string; :meth:`flush` releases them at the end.
-        After a stop string is found, ``stopped`` is set, ``text`` ends before it, and
-        later tokens are ignored.
+        After a stop string is found, ``stopped`` is set, ``text`` ends before it (with
+        it, under ``keep_stop``), and later tokens are ignored.
         """
         window = self.push(token_id)
         if window is None:
@@ -83,7 +91,7 @@ class IncrementalDetokenizer:
             if found:
                 cut, self.stop_reason = min(found, key=lambda match: match[0])
                 self.stopped = True
-                self.text = combined[:cut]
+                self.text = combined[: cut + len(self.stop_reason) * self.keep_stop]
                 return self.flush()
         self.text = combined
         safe_end = len(combined) - max(self._max_stop - 1, 0)

@@ -117,7 +117,10 @@ class OutputProcessor:
             # on a string: decode it once then, not a window every step.
             lazy = not req.stream and not req.params.stop
             detok = req.samples[index] = IncrementalDetokenizer(
-                self.tokenizer, req.params.stop, lazy=lazy
+                self.tokenizer,
+                req.params.stop,
+                lazy=lazy,
+                keep_stop=req.params.include_stop_str_in_output,
             )
         return detok
 

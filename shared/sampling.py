@@ -13,12 +13,16 @@ from msgspec.structs import force_setattr
 from shared.errors import InvalidRequestError
 
 __all__ = [
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORD_TOKENS",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_N",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
+    "MAX_TOKEN_ID_LIST",
     "SamplingParams",
 ]
 
@@ -31,6 +35,13 @@ MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids one request may give (every sample carries the request's set;
 the min-tokens mask holds them)."""
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one ``logit_bias`` may name (OpenAI allows 300)."""
+MAX_TOKEN_ID_LIST = 65536
+"""Most ids an ``allowed_token_ids`` may list (a vocabulary's worth)."""
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64
+"""Most bad words per request, and tokens per word."""
 
 
 class SamplingParams(
@@ -67,6 +78,26 @@ class SamplingParams(
     """Parallel samples of the same prompt (they share the prompt's KV blocks)."""
     logprobs: int | None = None
     """Top logprobs to return per token besides the sampled one; ``None`` = off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds already, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence in the output so far, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or the output so far: a positive logit divided by it, a
+    negative one multiplied (> 0; 1 = off)."""
+    min_p: float = 0.0
+    """After temperature: drop tokens less likely than ``min_p`` times the most likely
+    one, in [0, 1] (random sampling only, like top-k and top-p)."""
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
+    """Token id -> a bias in [-100, 100] added to its logit (stored as sorted pairs)."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """When given, every other token is masked (``()``: all allowed)."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never generated: the last token of one is masked wherever the
+    output ends in the rest of it (a one-token word is always masked). The front end
+    fills it from ``bad_words`` (strings) with the model's tokenizer."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request at the end of its text."""
 
     def __post_init__(self) -> None:
         max_tokens = _optional_int(self.max_tokens, "max_tokens", low=1)
@@ -86,10 +117,20 @@ class SamplingParams(
         _optional_int(self.seed, "seed", low=0, high=MAX_SEED)
         self._store("stop_token_ids", _token_ids(self.stop_token_ids))
         self._store("stop", _stop_strings(self.stop))
-        if type(self.ignore_eos) is not bool:
-            _fail("ignore_eos", "expected a boolean", self.ignore_eos)
         _int(self.n, "n", low=1, high=MAX_N)
         _optional_int(self.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._store(name, _bounded(getattr(self, name), name, -2.0, 2.0))
+        self._store("repetition_penalty", _float(self.repetition_penalty, "repetition_penalty"))
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+        self._store("min_p", _bounded(self.min_p, "min_p", 0.0, 1.0))
+        self._store("logit_bias", _logit_bias(self.logit_bias))
+        self._store("allowed_token_ids", _ids(self.allowed_token_ids, "allowed_token_ids"))
+        self._store("bad_words_token_ids", _bad_words(self.bad_words_token_ids))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                _fail(name, "expected a boolean", getattr(self, name))
 
     def _store(self, name: str, value: object) -> None:
         if value is not getattr(self, name):
@@ -99,6 +140,21 @@ class SamplingParams(
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Presence, frequency or repetition penalties: the sampler needs the tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything that changes the logits before the pick (penalties, bias, allowed
+        tokens, bad words): even a greedy row needs the sampler then."""
+        return self.penalised or bool(
+            self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
@@ -139,13 +195,75 @@ def _optional_int(value: object, name: str, *, low: int, high: int | None = None
     return None if value is None else _int(value, name, low=low, high=high)
 
 
-def _float(value: object, name: str) -> float:
+def _float(value: object, name: str, field: str | None = None) -> float:
     """A finite float; ints are accepted and converted, bools and NaN/inf are not."""
     if type(value) is not float and type(value) is not int:
-        _fail(name, "expected a number", value)
+        _fail(name, "expected a number", value, field=field)
     if not math.isfinite(value):
-        _fail(name, "must be a finite number", value)
+        _fail(name, "must be a finite number", value, field=field)
     return value if type(value) is float else float(value)
+
+
+def _bounded(value: object, name: str, low: float, high: float, field: str | None = None) -> float:
+    number = _float(value, name, field)
+    if not low <= number <= high:
+        _fail(name, f"must be between {low:g} and {high:g}", value, field=field)
+    return number
+
+
+def _ids(
+    value: object, name: str, limit: int = MAX_TOKEN_ID_LIST, field: str | None = None
+) -> tuple[int, ...]:
+    field = field or name
+    if not isinstance(value, (tuple, list)):
+        _fail(name, "expected a list", value, field=field)
+    items = tuple(value)
+    if len(items) > limit:
+        raise InvalidRequestError(
+            f"{name}: at most {limit} token ids, got {len(items)}", field=field
+        )
+    for index, item in enumerate(items):
+        _int(item, f"{name}[{index}]", low=0, field=field)
+    return items  # type: ignore[return-value]  # every item checked above
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping (or pairs) of token id -> bias, as sorted ``(id, bias)`` pairs."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        pairs = list(_sequence(value, "logit_bias"))
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            _fail("logit_bias", "expected a mapping of token id -> bias", value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}", field="logit_bias"
+        )
+    checked = {}
+    for token, bias in pairs:
+        _int(token, f"logit_bias[{token!r}]", low=0, field="logit_bias")
+        checked[token] = _bounded(bias, f"logit_bias[{token}]", -100.0, 100.0, "logit_bias")
+    if len(checked) != len(pairs):
+        _fail("logit_bias", "a token id given twice", value)
+    out = tuple(sorted(checked.items()))
+    return value if out == value else out  # type: ignore[return-value]
+
+
+def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    name = "bad_words_token_ids"
+    words = _sequence(value, name)
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequestError(
+            f"{name}: at most {MAX_BAD_WORDS} words, got {len(words)}", field=name
+        )
+    out = []
+    for index, word in enumerate(words):
+        ids = _ids(word, f"{name}[{index}]", MAX_BAD_WORD_TOKENS, name)
+        if not ids:
+            _fail(f"{name}[{index}]", "must not be empty", word, field=name)
+        out.append(ids)
+    result = tuple(out)
+    return value if result == value else result  # type: ignore[return-value]
 
 
 def _sequence(value: object, name: str) -> tuple[object, ...]:
@@ -187,7 +305,10 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     return items  # type: ignore[return-value]  # every item checked above
 
 
-_PATH = re.compile(r"^(?P<problem>.*) - at `\$\.(?P<path>[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*)`$")
+_PATH = re.compile(
+    r"^(?P<problem>.*) - at (?:`key` in )?"
+    r"`\$\.(?P<path>[A-Za-z_][A-Za-z0-9_]*(?:\[(?:\d+|\.\.\.)\])*)`$"
+)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`")
 
 

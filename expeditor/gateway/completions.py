@@ -345,7 +345,7 @@ class CompletionHandler(_Handler):
 
     async def prepare(self) -> None:
         body = self.body
-        self.params = body.check()
+        self.params = body.check(self.model.encode_text)
         prompts = body.prompts()
         n = self.params.n
         config = self.gateway.config
@@ -430,7 +430,7 @@ class ChatHandler(_Handler):
 
     async def prepare(self) -> None:
         body = self.body
-        self.params = body.check()
+        self.params = body.check(self.model.encode_text)
         config = self.gateway.config
         n = self.params.n
         check_batch(1, n, config)

@@ -77,6 +77,10 @@ class ServedModel:
         (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens (a bad word's)."""
+        return self.encode(text, add_special_tokens=False)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 

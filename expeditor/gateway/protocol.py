@@ -1,15 +1,18 @@
 """The OpenAI request bodies the gateway accepts, decoded and checked with msgspec, and
 their translation into :class:`~shared.sampling.SamplingParams`.
 
-Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``priority``: lower is served first). Unknown fields
-are ignored, as the OpenAI API does; known features this server does not implement
-(penalties, ``logit_bias``, ``suffix``, tools, structured output) are refused with a
-400 naming the field rather than silently dropped.
+Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``priority``:
+lower is served first). No field is dropped silently: a field this server does not know
+is a 400 naming it, those of :data:`IGNORED` are accepted with no effect (each with its
+reason), and known features it does not implement (:data:`REFUSED`, ``suffix``, tools,
+structured output, echo with logprobs) are a 400 naming the field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -37,6 +40,7 @@ Int = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
 """An integer field: a signed 64-bit value, as the scheduler's messages carry (a bigger
 one is a 400 naming the field, not an encoding failure further on)."""
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_JSON_DEPTH = 64
 """Deepest nesting of a free-form field (messages, chat_template_kwargs, ...): deeper
 ones are a 400, before a template or an encoder recurses through them. (The decoder
@@ -58,13 +62,43 @@ class GatewayRequestError(Exception):
         )
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM: usage on every chunk (accepted, and honoured)."""
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+IGNORED: dict[str, str] = {
+    "user": "the end user's label: fair share counts requests per API key, not per label",
+    "metadata": "OpenAI's stored-completion tags: nothing is stored",
+    "store": "OpenAI's stored completions: nothing is stored",
+    "service_tier": "one tier here",
+    "parallel_tool_calls": "tool calling is not supported; refused when tools are given",
+}
+"""Fields accepted with no effect, and why (docs/deploy.md lists them). Any other field
+this server does not know is a 400 naming it."""
+
+REFUSED: dict[str, str] = {
+    "guided_json": "structured output is not supported",
+    "guided_regex": "structured output is not supported",
+    "guided_choice": "structured output is not supported",
+    "guided_grammar": "structured output is not supported",
+    "guided_decoding_backend": "structured output is not supported",
+    "guided_whitespace_pattern": "structured output is not supported",
+    "structured_outputs": "structured output is not supported",
+    "grammar": "grammars (llama.cpp's) are not supported",
+    "json_schema": "JSON schemas (llama.cpp's) are not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "typical_p": "typical sampling is not supported",
+    "prompt_logprobs": "the prompt's logprobs are not computed",
+    "reasoning_effort": "this model does not reason on request",
+}
+"""Fields known from OpenAI's, vLLM's or llama.cpp's APIs that this server does not
+implement: any value but null is a 400 naming the field."""
+
+
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -76,43 +110,46 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> bias in [-100, 100]."""
     # vLLM's extra sampling fields
     top_k: Int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: Int = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     priority: Int = 0
     return_tokens_as_token_ids: bool = False
     """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
-    # known but not implemented: refused unless neutral
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
-    include_stop_str_in_output: bool = False
+    # known but not implemented: refused unless null (REFUSED says why)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+    typical_p: Any = None
+    prompt_logprobs: Any = None
+    reasoning_effort: Any = None
 
     def _refuse_unsupported(self) -> None:
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise GatewayRequestError(
-                    f"{name}: not supported by this server (only {neutral} is)", param=name
-                )
-        if self.include_stop_str_in_output:
-            raise GatewayRequestError(
-                "include_stop_str_in_output: not supported by this server (the text ends "
-                "before the stop string; stop_reason names it)",
-                param="include_stop_str_in_output",
-            )
-        if self.logit_bias:
-            raise GatewayRequestError(
-                "logit_bias: not supported by this server", param="logit_bias"
-            )
+        for name, why in REFUSED.items():
+            if getattr(self, name, None) is not None:
+                message = f"{name}: not supported by this server ({why})"
+                raise GatewayRequestError(message, param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise GatewayRequestError(
                 f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}",
@@ -122,14 +159,25 @@ class _Sampling(msgspec.Struct, kw_only=True):
             raise GatewayRequestError(
                 "stream_options: only allowed when stream is true", param="stream_options"
             )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise GatewayRequestError(
+                "allowed_token_ids: must not be empty (leave it out to allow every token)",
+                param="allowed_token_ids",
+            )
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> SamplingParams:
         """The scheduler's SamplingParams; its validation errors name the field.
 
         ``max_tokens`` 0 is valid here (some clients ask for no new tokens: scoring with
         echo, load generators drawing lengths from 0, see :attr:`zero_tokens`): the
         params are then checked as if for one token, and the handler answers without
-        running the model."""
+        running the model. ``encode`` (text -> token ids, no special tokens) turns
+        ``bad_words`` into token sequences."""
         self._refuse_unsupported()
         if max_tokens == 0 and self.min_tokens:
             raise GatewayRequestError(
@@ -143,21 +191,30 @@ class _Sampling(msgspec.Struct, kw_only=True):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "seed": self.seed,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
-        if self.temperature is not None:
-            fields["temperature"] = self.temperature
-        if self.top_p is not None:
-            fields["top_p"] = self.top_p
+        for name in ("temperature", "top_p", "min_p") + PENALTIES:
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
         if self.top_k is not None:
             fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM: -1 = off
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.stop_token_ids is not None:
             fields["stop_token_ids"] = self.stop_token_ids
+        if self.allowed_token_ids:
+            fields["allowed_token_ids"] = self.allowed_token_ids
+        if self.logit_bias:
+            fields["logit_bias"] = _token_keys(self.logit_bias)
+        if self.bad_words:
+            if encode is None:
+                raise GatewayRequestError("bad_words: not supported here", param="bad_words")
+            fields["bad_words_token_ids"] = bad_words_token_ids(self.bad_words, encode)
         try:
             return SamplingParams(**fields)
         except InvalidRequestError as exc:
-            raise GatewayRequestError(str(exc), param=exc.field) from None
+            field = "bad_words" if exc.field == "bad_words_token_ids" else exc.field
+            raise GatewayRequestError(str(exc), param=field) from None
 
     @property
     def include_usage(self) -> bool:
@@ -177,6 +234,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: Any = None
 
     @property
     def zero_tokens(self) -> bool:
@@ -209,16 +267,20 @@ class CompletionRequest(_Sampling, kw_only=True):
                 )
         return list(prompt)
 
-    def check(self) -> SamplingParams:
+    def check(self, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
         if self.suffix:
             raise GatewayRequestError("suffix: not supported by this server", param="suffix")
+        if self.response_format is not None:
+            raise GatewayRequestError(
+                "response_format: structured output is not supported", param="response_format"
+            )
         if self.echo and self.logprobs is not None:
             raise GatewayRequestError(
                 "echo: echo with logprobs needs the prompt's logprobs, which this server "
                 "does not compute; drop one of the two",
                 param="echo",
             )
-        return self.sampling(self.max_tokens, self.logprobs)
+        return self.sampling(self.max_tokens, self.logprobs, encode)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -234,6 +296,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     FREE_FORM: ClassVar[tuple[str, ...]] = (
@@ -257,7 +322,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         """No new tokens asked for (a limit of 0)."""
         return self.limit == 0
 
-    def check(self) -> SamplingParams:
+    def check(self, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
         if self.tools:
             raise GatewayRequestError("tools: tool calling is not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -284,7 +349,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.limit
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self.sampling(max_tokens, logprobs)
+            return self.sampling(max_tokens, logprobs, encode)
         except GatewayRequestError as exc:
             if exc.param == "logprobs":  # the scheduler's field is our top_logprobs
                 exc.param = "top_logprobs"
@@ -295,7 +360,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise GatewayRequestError(exc.message, param=exc.param) from None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /tokenize``: ``prompt`` text, or chat ``messages`` rendered by the template."""
 
     model: str | None = None
@@ -307,11 +372,43 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     FREE_FORM: ClassVar[tuple[str, ...]] = ("messages",)
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /detokenize``."""
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys (token ids written as strings) as ints."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or int(key) > TOKEN_ID_MAX:
+            raise GatewayRequestError(
+                f"logit_bias: keys are token ids (integers from 0 to {TOKEN_ID_MAX} written "
+                f"as strings), got {key!r}",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words``: each word as written (leading spaces
+    stripped) and with one leading space, the second kept when it is another token
+    sequence of the same length (a word-initial token)."""
+    out: list[list[int]] = []
+    for index, word in enumerate(words):
+        plain = encode(word.lstrip())
+        if not plain:
+            raise GatewayRequestError(
+                f"bad_words[{index}]: no tokens in {word!r}", param="bad_words"
+            )
+        out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 def _is_token_id(value: object) -> bool:
@@ -358,6 +455,13 @@ def _validation_error(text: str) -> GatewayRequestError:
         path = where.rstrip("`").lstrip(".")
         field = path.split("[", 1)[0].split(".", 1)[0] or None
         return GatewayRequestError(f"{path}: {problem[:1].lower()}{problem[1:]}", param=field)
+    if text.startswith("Object contains unknown field `"):
+        field = text.split("`")[1]
+        return GatewayRequestError(
+            f"{field}: unknown field; this server does not implement it (docs/deploy.md lists "
+            "the fields it accepts)",
+            param=field,
+        )
     if text.startswith("Object missing required field `"):
         field = text.split("`")[1]
         return GatewayRequestError(f"{field}: this field is required", param=field)

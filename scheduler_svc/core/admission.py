@@ -47,6 +47,8 @@ def check_request(
             f"prompt_token_ids: token id {token} (position {position}) is outside the "
             f"model's vocabulary [0, {vocab_size})",
         )
+    if vocab_size is not None:
+        _check_ids_in_vocabulary(params, vocab_size)
     if params.n > config.max_num_seqs:
         raise RejectedError(bad, f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
     max_len = config.max_model_len
@@ -70,3 +72,20 @@ def check_request(
             f"{total} tokens need {blocks} KV blocks; the cache admits at most {capacity_blocks}",
         )
     return max_output
+
+
+def _check_ids_in_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids the sampling parameters name, all in ``[0, vocab_size)``."""
+    named = {
+        "logit_bias": [token for token, _ in params.logit_bias],  # type: ignore[union-attr]
+        "allowed_token_ids": params.allowed_token_ids,
+        "bad_words": [t for word in params.bad_words_token_ids for t in word],
+    }
+    for field, ids in named.items():
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise RejectedError(
+                ErrorCode.BAD_REQUEST,
+                f"{field}: token id {outside[0]} is outside the model's vocabulary "
+                f"[0, {vocab_size})",
+            )

@@ -394,7 +394,16 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
         ({"model": model_name, "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": model_name, "prompt": "x", "n": 0}, "n"),
         ({"model": model_name, "prompt": "x", "logprobs": 50}, "logprobs"),
-        ({"model": model_name, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": model_name, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": model_name, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": model_name, "prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"model": model_name, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"model": model_name, "prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"model": model_name, "prompt": "x", "min_p": 2}, "min_p"),
+        ({"model": model_name, "prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"model": model_name, "prompt": "x", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"model": model_name, "prompt": "x", "no_such_field": 1}, "no_such_field"),
         ({"model": model_name, "prompt": [[1, 2], 3]}, "prompt"),
         ({"model": model_name}, "prompt"),
         ({"model": model_name, "prompt": "x", "stream_options": {"include_usage": True}},
@@ -437,6 +446,10 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
         _post(url, "/v1/completions", {"model": model_name, "prompt": [1, 10**6]})
     )
     assert status == 400 and "vocab" in error["message"]
+    for field, value in (("logit_bias", {"1000000": 1.0}), ("allowed_token_ids", [10**6])):
+        body = {"model": model_name, "prompt": "x", field: value}
+        status, error = _error(_post(url, "/v1/completions", body))
+        assert status == 400 and error["message"].startswith(f"{field}: token id 1000000")
 
 
 def test_unknown_model_and_route_are_404(server) -> None:

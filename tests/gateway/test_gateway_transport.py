@@ -425,7 +425,8 @@ COMMON = [
     (f'"best_of": {BIG}', "best_of"),
     (f'"stop_token_ids": [1, {BIG}]', "stop_token_ids"),
     (f'"stop_token_ids": [{INT64_OVER}]', "stop_token_ids"),
-    (f'"unknown_field": {DEEP}', None),
+    (f'"unknown_field": {DEEP}', "unknown_field"),  # refused by name, before its value
+    (f'"metadata": {DEEP}', None),  # accepted with no effect: its depth still counts
     (f'"user": {DEEP}', "user"),  # the type is checked before the depth
 ]
 COMPLETION = [
@@ -450,7 +451,7 @@ CHAT = [
     (f'{MESSAGES}, "tool_choice": {DEEPISH}', "tool_choice"),
 ]
 TOKENIZE = [
-    (f'"prompt": "hi", "x": {DEEP}', None),
+    (f'"prompt": "hi", "x": {DEEP}', "x"),  # an unknown field, refused by name
     (f'"messages": [{{"role": "user", "content": {DEEPISH}}}]', "messages"),
 ]
 
@@ -501,7 +502,8 @@ def test_chat_template_kwargs_shadowing_template_variables_are_a_400(
         )
     assert status == 400, reply
     assert reply["error"]["param"] == "chat_template_kwargs" or "template" in str(reply)
-    assert tokenized[0] == 200  # /tokenize takes no kwargs: ignored as unknown
+    # /tokenize takes no kwargs: refused by name, not ignored
+    assert tokenized[0] == 400 and tokenized[1]["error"]["param"] == "chat_template_kwargs"
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 

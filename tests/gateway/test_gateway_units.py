@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from expeditor.gateway.chat import load_chat_template
 from expeditor.gateway.metrics import render_metrics
 from expeditor.gateway.protocol import (
+    IGNORED,
     ChatCompletionRequest,
     CompletionRequest,
     GatewayRequestError,
@@ -37,7 +38,7 @@ def test_completion_body_becomes_sampling_params() -> None:
     body = decode_body(
         b'{"prompt": [1, 2], "max_tokens": 5, "temperature": 0, "top_k": -1, '
         b'"stop": "END", "stop_token_ids": [7], "min_tokens": 2, "ignore_eos": true, '
-        b'"seed": 3, "n": 2, "logprobs": 1, "priority": -4, "user": "ignored", "extra": 1}',
+        b'"seed": 3, "n": 2, "logprobs": 1, "priority": -4, "user": "ignored"}',
         CompletionRequest,
     )
     params = body.check()
@@ -70,16 +71,16 @@ def test_prompt_forms() -> None:
         (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", ">= 1"),
         (b'{"prompt": "x", "top_p": 1.5}', "top_p", "(0, 1]"),
         (b'{"prompt": "x", "stop": [1]}', "stop", "expected `str`"),
-        (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty", "not supported"),
-        (b'{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty", "not supported"),
-        (b'{"prompt": "x", "logit_bias": {"5": 1}}', "logit_bias", "not supported"),
+        (b'{"prompt": "x", "frequency_penalty": 3}', "frequency_penalty", "between -2 and 2"),
+        (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty", "> 0"),
+        (b'{"prompt": "x", "logit_bias": {"-5": 1}}', "logit_bias", "token ids"),
+        (b'{"prompt": "x", "logit_bias": {"5": -101}}', "logit_bias", "between -100 and 100"),
+        (b'{"prompt": "x", "extra": 1}', "extra", "unknown field"),
+        (b'{"prompt": "x", "guided_regex": "a+"}', "guided_regex", "structured output"),
+        (b'{"prompt": "x", "grammar": "root ::= x"}', "grammar", "not supported"),
+        (b'{"prompt": "x", "prompt_logprobs": 1}', "prompt_logprobs", "not supported"),
         (b'{"prompt": "x", "best_of": 3}', "best_of", "best_of == n"),
         (b'{"prompt": "x", "suffix": "y"}', "suffix", "not supported"),
-        (
-            b'{"prompt": "x", "include_stop_str_in_output": true}',
-            "include_stop_str_in_output",
-            "not supported",
-        ),
         (b'{"prompt": "x", "echo": true, "logprobs": 1}', "echo", "prompt's logprobs"),
         (b'{"max_tokens": 1}', "prompt", "required"),
         (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", ""),
@@ -89,6 +90,82 @@ def test_bad_completion_bodies_name_the_field(raw: bytes, field: str, words: str
     error = _refused(raw)
     assert error.status == 400 and error.param == field
     assert error.message.startswith(field) and words in error.message
+
+
+# Fields of OpenAI's completions and chat references and of vLLM's and llama.cpp's
+# extensions, each with a value that is not the default: (field, value, outcome).
+# "honoured" = it reaches the SamplingParams (or the body's own handling, BODY_FIELDS);
+# "refused" = a 400 naming it; "ignored" = on the documented list of no-effect fields.
+SHARED_FIELDS = [
+    ("temperature", 0.5, "honoured"), ("top_p", 0.5, "honoured"), ("n", 2, "honoured"),
+    ("stop", ["x"], "honoured"), ("seed", 1, "honoured"), ("max_tokens", 3, "honoured"),
+    ("presence_penalty", 0.5, "honoured"), ("frequency_penalty", 0.5, "honoured"),
+    ("logit_bias", {"5": 1.0}, "honoured"), ("top_k", 5, "honoured"),
+    ("min_p", 0.1, "honoured"), ("repetition_penalty", 1.2, "honoured"),
+    ("min_tokens", 1, "honoured"), ("ignore_eos", True, "honoured"),
+    ("stop_token_ids", [5], "honoured"), ("allowed_token_ids", [5, 6], "honoured"),
+    ("bad_words", ["hello"], "honoured"), ("include_stop_str_in_output", True, "honoured"),
+    ("stream", True, "honoured"), ("priority", 1, "honoured"),
+    ("return_tokens_as_token_ids", True, "honoured"), ("best_of", 1, "honoured"),
+    ("user", "u", "ignored"), ("metadata", {"a": "b"}, "ignored"), ("store", True, "ignored"),
+    ("service_tier", "auto", "ignored"),
+    ("guided_json", {"type": "object"}, "refused"), ("guided_regex", "a+", "refused"),
+    ("guided_choice", ["a"], "refused"), ("guided_grammar", "g", "refused"),
+    ("guided_decoding_backend", "xgrammar", "refused"),
+    ("guided_whitespace_pattern", " ", "refused"),
+    ("structured_outputs", {"json": {}}, "refused"), ("grammar", "g", "refused"),
+    ("json_schema", {}, "refused"), ("typical_p", 0.9, "refused"),
+    ("prompt_logprobs", 1, "refused"), ("reasoning_effort", "low", "refused"),
+    ("best_of", 3, "refused"), ("top_a", 0.1, "refused"), ("mirostat", 2, "refused"),
+    ("length_penalty", 1.1, "refused"), ("use_beam_search", True, "refused"),
+]  # fmt: skip
+COMPLETION_FIELDS = [
+    ("logprobs", 2, "honoured"), ("echo", True, "honoured"), ("suffix", "y", "refused"),
+    ("response_format", {"type": "json_object"}, "refused"),
+]  # fmt: skip
+CHAT_FIELDS = [
+    ("max_completion_tokens", 3, "honoured"), ("logprobs", True, "honoured"),
+    ("add_generation_prompt", False, "honoured"), ("continue_final_message", True, "honoured"),
+    ("chat_template_kwargs", {"x": 1}, "honoured"), ("tools", [{"type": "function"}], "refused"),
+    ("tool_choice", "required", "refused"), ("functions", [{"name": "f"}], "refused"),
+    ("function_call", "auto", "refused"), ("response_format", {"type": "json_object"}, "refused"),
+    ("parallel_tool_calls", False, "ignored"), ("modalities", ["text"], "refused"),
+    ("audio", {"voice": "x"}, "refused"), ("prediction", {"type": "content"}, "refused"),
+    ("web_search_options", {}, "refused"), ("documents", [], "refused"),
+]  # fmt: skip
+BODY_FIELDS = {
+    "stream", "priority", "return_tokens_as_token_ids", "best_of", "echo",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+}  # fmt: skip
+"""Fields the handlers act on themselves (not through SamplingParams)."""
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value", "outcome"),
+    [(CompletionRequest, *case) for case in SHARED_FIELDS + COMPLETION_FIELDS]
+    + [(ChatCompletionRequest, *case) for case in SHARED_FIELDS + CHAT_FIELDS],
+)
+def test_every_field_is_honoured_refused_or_listed(
+    kind: type, field: str, value: object, outcome: str
+) -> None:
+    """No field is dropped silently: each one from the references is honoured, refused
+    with a 400 naming it, or on the documented list of fields that have no effect."""
+    base = {"prompt": "x"} if kind is CompletionRequest else {"messages": [{"role": "user"}]}
+    if field == "stream":
+        base["stream_options"] = {"include_usage": True}
+    default = decode_body(msgspec.json.encode(base), kind)
+    raw = msgspec.json.encode({**base, field: value})
+    if outcome == "refused":
+        error = _refused(raw, kind)
+        assert error.status == 400 and error.param == field and error.message.startswith(field)
+        return
+    body = decode_body(raw, kind)
+    params = body.check(lambda text: [ord(c) for c in text])
+    assert (field in IGNORED) == (outcome == "ignored"), f"{field}: {outcome} but listed"
+    if outcome == "honoured" and field not in BODY_FIELDS:
+        assert params != default.check(), f"{field} did not reach the sampling params"
+    if outcome == "honoured" and field in BODY_FIELDS:
+        assert getattr(body, field) == value != getattr(default, field)
 
 
 def test_chat_body_checks() -> None:

@@ -193,3 +193,20 @@ def test_load_tokenizer_reads_tokenizer_json(tmp_path: Path, words: Tokenizer) -
     words.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(tmp_path)
     assert loaded.decode(word_ids("▁say", "▁hello")) == "say hello"
+
+
+# --------------------------------------------------------------------------- keep_stop
+
+
+def test_keep_stop_ends_the_text_with_the_stop_string(
+    byte_level: Tokenizer, words: Tokenizer
+) -> None:
+    """``include_stop_str_in_output``: the text runs to the end of the earliest stop
+    string (and not past it, though the delta that held it went on)."""
+    detok = IncrementalDetokenizer(words, ("na",), keep_stop=True)
+    assert stream(detok, word_ids("▁say", "▁na▁na", "▁world")) == "say na"
+    assert detok.text == "say na" and detok.stop_reason == "na"
+    detok = IncrementalDetokenizer(byte_level, ("✓ 日", "never"), keep_stop=True)
+    assert stream(detok, byte_ids(byte_level, TEXT)) == "héllo wörld ✓ 日"
+    kept = IncrementalDetokenizer(byte_level, ("h",), keep_stop=True)
+    assert stream(kept, byte_ids(byte_level, TEXT)) == "h" and kept.text == "h"

@@ -1,0 +1,126 @@
+"""What a request's parameters do to its logits before a token is picked: allowed
+tokens, bad words, logit bias and the presence, frequency and repetition penalties,
+with vLLM's definitions, for a whole batch of rows in one pass.
+
+In order, for each row ``r`` of float32 ``logits`` ``[R, V]`` (ids ``>= V`` are
+ignored; the scheduler refuses them at admission):
+
+1. **Allowed tokens** (``allowed_token_ids``): every other token gets ``-inf``.
+2. **Bad words** (``bad_words_token_ids``): the host works out which last tokens to
+   ban (:func:`bad_word_bans`: a one-token word always, a longer one where the output
+   so far ends in the rest of it) and they join the row's masked ids.
+3. **Logit bias**: ``logits[r, id] += bias``.
+4. **Penalties**, over the row's history (:class:`History`): with ``seen`` the tokens
+   of the prompt or the output so far and ``count`` each token's occurrences in the
+   output, ``logit / repetition_penalty`` where ``seen`` and the logit is positive,
+   ``logit * repetition_penalty`` where ``seen`` and it is not; then ``logit -=
+   frequency_penalty * count + presence_penalty * (count > 0)``.
+
+Rows without any of these are left as they are (and a batch without them costs
+nothing). The host sends each kind's (row, token) pairs to the device in the sampler's
+one non-blocking copy; nothing is read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shared.sampling import SamplingParams
+
+__all__ = ["History", "bad_word_bans", "shape_logits", "shaping_arrays"]
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """The tokens a row's penalties read: its sequence's prompt and output so far."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+
+
+def bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last tokens of ``words`` that would complete one after ``output``."""
+    bans = []
+    for word in words:
+        head = len(word) - 1
+        tail = list(output[len(output) - head :]) if 0 < head <= len(output) else None
+        if head == 0 or tail == list(word[:head]):
+            bans.append(word[-1])
+    return bans
+
+
+def shaping_arrays(
+    params: Sequence[SamplingParams], histories: Sequence[History | None], vocab: int
+) -> dict[str, np.ndarray]:
+    """The host half of steps 1, 3 and 4: each kind's rows and (row, token) pairs."""
+    arrays: dict[str, np.ndarray] = {}
+    allowed = [(r, p.allowed_token_ids) for r, p in enumerate(params) if p.allowed_token_ids]
+    if allowed:
+        arrays["allowed_rows"] = np.array([r for r, _ in allowed], dtype=np.int64)
+        arrays.update(_pairs("allowed", [ids for _, ids in allowed], vocab))
+    biased = [(r, p.logit_bias) for r, p in enumerate(params) if p.logit_bias]
+    if biased:
+        rows = np.repeat([r for r, _ in biased], [len(b) for _, b in biased])
+        flat = [pair for _, bias in biased for pair in bias]
+        ids = np.array([t for t, _ in flat], dtype=np.int64)
+        inside = ids < vocab
+        arrays["bias_rows"] = rows.astype(np.int64)[inside]
+        arrays["bias_ids"] = ids[inside]
+        arrays["bias_values"] = np.array([b for _, b in flat], dtype=np.float32)[inside]
+    penalised = [r for r, p in enumerate(params) if p.penalised]
+    if penalised:
+        missing = [r for r in penalised if histories[r] is None]
+        if missing:
+            raise ValueError(f"rows {missing} have penalties but no history")
+        chosen = [params[r] for r in penalised]
+        arrays["penalty_rows"] = np.array(penalised, dtype=np.int64)
+        arrays["repetition"] = np.array([p.repetition_penalty for p in chosen], np.float32)
+        arrays["frequency"] = np.array([p.frequency_penalty for p in chosen], np.float32)
+        arrays["presence"] = np.array([p.presence_penalty for p in chosen], np.float32)
+        held = [histories[r] for r in penalised]
+        arrays.update(_pairs("output", [h.output for h in held], vocab))  # type: ignore[union-attr]
+        arrays.update(_pairs("prompt", [h.prompt for h in held], vocab))  # type: ignore[union-attr]
+    return arrays
+
+
+def _pairs(
+    name: str, lists: Sequence[Sequence[int] | np.ndarray], vocab: int
+) -> dict[str, np.ndarray]:
+    """``{name}_at``, ``{name}_ids``: the position (in ``lists``) and id of each entry."""
+    ids = [np.asarray(x, dtype=np.int64) for x in lists]
+    at = np.repeat(np.arange(len(ids), dtype=np.int64), [x.size for x in ids])
+    flat = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+    inside = flat < vocab
+    return {f"{name}_at": at[inside], f"{name}_ids": flat[inside]}
+
+
+def shape_logits(logits: Tensor, dev: dict[str, Tensor]) -> Tensor:
+    """Steps 1, 3 and 4 on float32 ``logits`` (a new tensor where anything applies)."""
+    if "allowed_rows" in dev:
+        rows = dev["allowed_rows"]
+        keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+        keep[dev["allowed_at"], dev["allowed_ids"]] = True
+        shaped = logits.index_select(0, rows).masked_fill(~keep, -torch.inf)
+        logits = logits.index_copy(0, rows, shaped)
+    if "bias_rows" in dev:
+        logits = logits.index_put(
+            (dev["bias_rows"], dev["bias_ids"]), dev["bias_values"], accumulate=True
+        )
+    if "penalty_rows" in dev:
+        rows = dev["penalty_rows"]
+        x = logits.index_select(0, rows)
+        counts = torch.zeros_like(x)
+        ones = torch.ones_like(dev["output_ids"], dtype=x.dtype)
+        counts.index_put_((dev["output_at"], dev["output_ids"]), ones, accumulate=True)
+        seen = counts > 0
+        seen[dev["prompt_at"], dev["prompt_ids"]] = True
+        rep = dev["repetition"][:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - dev["frequency"][:, None] * counts - dev["presence"][:, None] * (counts > 0)
+        logits = logits.index_copy(0, rows, x)
+    return logits
