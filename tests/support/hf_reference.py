@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,10 +17,16 @@ Oracle = Callable[..., list[list[int]]]
 
 
 def hf_greedy(
-    checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+    checkpoint: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: str = "cpu",
+    **generate: Any,
 ) -> list[list[int]]:
-    """The new tokens transformers generates greedily (float32) for each prompt."""
-    return [tokens for tokens, _ in hf_greedy_steps(checkpoint, prompts, max_new_tokens, device)]
+    """The new tokens transformers generates greedily (float32) for each prompt;
+    ``generate``: more of ``generate()``'s arguments (penalties, logits processors)."""
+    steps = hf_greedy_steps(checkpoint, prompts, max_new_tokens, device, **generate)
+    return [tokens for tokens, _ in steps]
 
 
 def hf_greedy_steps(
@@ -28,6 +35,7 @@ def hf_greedy_steps(
     max_new_tokens: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    **generate: Any,
 ) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Per prompt, run alone: transformers' greedy new tokens and each step's float32
     log-softmax over the vocabulary (on the host)."""
@@ -45,6 +53,7 @@ def hf_greedy_steps(
                 pad_token_id=0,
                 output_scores=True,
                 return_dict_in_generate=True,
+                **generate,
             )
         scores = [s[0].float().log_softmax(-1).cpu() for s in run.scores]
         outputs.append((run.sequences[0, len(prompt) :].tolist(), scores))
