@@ -18,7 +18,9 @@ ignored; the scheduler refuses them at admission):
 
 Rows without any of these are left as they are (and a batch without them costs
 nothing). The host sends each kind's (row, token) pairs to the device in the sampler's
-one non-blocking copy; nothing is read back.
+one non-blocking copy; nothing is read back. The penalties touch only the tokens a row
+has seen (one entry per distinct token of its prompt and output, with its count in
+the output), so their cost grows with the histories, not with the vocabulary.
 """
 
 from __future__ import annotations
@@ -77,14 +79,26 @@ def shaping_arrays(
         missing = [r for r in penalised if histories[r] is None]
         if missing:
             raise ValueError(f"rows {missing} have penalties but no history")
-        chosen = [params[r] for r in penalised]
-        arrays["penalty_rows"] = np.array(penalised, dtype=np.int64)
-        arrays["repetition"] = np.array([p.repetition_penalty for p in chosen], np.float32)
-        arrays["frequency"] = np.array([p.frequency_penalty for p in chosen], np.float32)
-        arrays["presence"] = np.array([p.presence_penalty for p in chosen], np.float32)
-        held = [histories[r] for r in penalised]
-        arrays.update(_pairs("output", [h.output for h in held], vocab))  # type: ignore[union-attr]
-        arrays.update(_pairs("prompt", [h.prompt for h in held], vocab))  # type: ignore[union-attr]
+        # Only the tokens a row has seen change: one (row, token) entry each, with the
+        # token's count in the output, and the row's three penalties.
+        at, ids, counts = [], [], []
+        for r in penalised:
+            held: History = histories[r]  # type: ignore[assignment]
+            seen, index = np.unique(np.concatenate([held.prompt, held.output]), return_inverse=True)
+            in_output = np.bincount(index[len(held.prompt) :], minlength=len(seen))
+            inside = seen < vocab
+            at.append(np.full(int(inside.sum()), r, dtype=np.int64))
+            ids.append(seen[inside].astype(np.int64))
+            counts.append(in_output[inside].astype(np.float32))
+        arrays["penalty_rows"] = np.concatenate(at)
+        arrays["penalty_ids"] = np.concatenate(ids)
+        arrays["penalty_counts"] = np.concatenate(counts)
+        per_row = np.zeros((3, len(params)), dtype=np.float32)
+        per_row[0] = 1.0
+        for r in penalised:
+            p = params[r]
+            per_row[:, r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        arrays["penalties"] = per_row
     return arrays
 
 
@@ -102,25 +116,19 @@ def _pairs(
 def shape_logits(logits: Tensor, dev: dict[str, Tensor]) -> Tensor:
     """Steps 1, 3 and 4 on float32 ``logits`` (a new tensor where anything applies)."""
     if "allowed_rows" in dev:
-        rows = dev["allowed_rows"]
-        keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
-        keep[dev["allowed_at"], dev["allowed_ids"]] = True
-        shaped = logits.index_select(0, rows).masked_fill(~keep, -torch.inf)
+        rows, at, ids = dev["allowed_rows"], dev["allowed_at"], dev["allowed_ids"]
+        kept = logits.index_select(0, rows)
+        shaped = torch.full_like(kept, -torch.inf).index_put((at, ids), kept[at, ids])
         logits = logits.index_copy(0, rows, shaped)
     if "bias_rows" in dev:
         logits = logits.index_put(
             (dev["bias_rows"], dev["bias_ids"]), dev["bias_values"], accumulate=True
         )
     if "penalty_rows" in dev:
-        rows = dev["penalty_rows"]
-        x = logits.index_select(0, rows)
-        counts = torch.zeros_like(x)
-        ones = torch.ones_like(dev["output_ids"], dtype=x.dtype)
-        counts.index_put_((dev["output_at"], dev["output_ids"]), ones, accumulate=True)
-        seen = counts > 0
-        seen[dev["prompt_at"], dev["prompt_ids"]] = True
-        rep = dev["repetition"][:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - dev["frequency"][:, None] * counts - dev["presence"][:, None] * (counts > 0)
-        logits = logits.index_copy(0, rows, x)
+        rows, ids, counts = dev["penalty_rows"], dev["penalty_ids"], dev["penalty_counts"]
+        rep, freq, presence = dev["penalties"][:, rows]
+        x = logits[rows, ids]
+        x = torch.where(x > 0, x / rep, x * rep)
+        x = x - freq * counts - presence * (counts > 0)
+        logits = logits.index_put((rows, ids), x)
     return logits

@@ -59,9 +59,9 @@ def fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (13 * GIB, 16 * GIB))
     sample = Sampler.sample
 
-    def recording(self: Sampler, logits: torch.Tensor, params: Any, keys: Any, masked: Any) -> Any:
+    def recording(self: Sampler, logits: torch.Tensor, params: Any, *rest: Any) -> Any:
         calls["sampled"].append((tuple(logits.shape), params[0]))
-        return sample(self, logits, params, keys, masked)
+        return sample(self, logits, params, *rest)
 
     monkeypatch.setattr(Sampler, "sample", recording)
     return calls
@@ -79,10 +79,11 @@ def test_the_profile_covers_the_sampler_and_the_staging(
     )
     blocks = runner._profile_num_blocks(64, max_num_seqs=48, utilization=0.5)
     # The sampler ran over max_num_seqs rows of the full vocabulary, in its heaviest
-    # mode (top-p sorts, seeded draws, logprobs).
+    # mode (top-p sorts, seeded draws, logprobs, every logits control).
     ((shape, params),) = fake_cuda_memory["sampled"]
     assert shape == (48, runner.vocab_size)
     assert params.top_p < 1 and params.seed is not None and params.logprobs
+    assert params.penalised and params.logit_bias and params.allowed_token_ids and params.min_p
     profile = runner.memory_profile
     assert profile == MemoryProfile(
         total=16 * GIB, free=13 * GIB, torch_reserved=2 * GIB, torch_peak=3 * GIB
