@@ -49,9 +49,8 @@ def bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> list
     """The last tokens of ``words`` that would complete one after ``output``."""
     bans = []
     for word in words:
-        head = len(word) - 1
-        tail = list(output[len(output) - head :]) if 0 < head <= len(output) else None
-        if head == 0 or tail == list(word[:head]):
+        head = list(word[:-1])
+        if not head or list(output[-len(head) :]) == head:  # a shorter output: no match
             bans.append(word[-1])
     return bans
 
@@ -105,10 +104,11 @@ def shaping_arrays(
 def _pairs(
     name: str, lists: Sequence[Sequence[int] | np.ndarray], vocab: int
 ) -> dict[str, np.ndarray]:
-    """``{name}_at``, ``{name}_ids``: the position (in ``lists``) and id of each entry."""
+    """``{name}_at``, ``{name}_ids``: the position (in ``lists``, not empty) and id of
+    each entry."""
     ids = [np.asarray(x, dtype=np.int64) for x in lists]
     at = np.repeat(np.arange(len(ids), dtype=np.int64), [x.size for x in ids])
-    flat = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+    flat = np.concatenate(ids)
     inside = flat < vocab
     return {f"{name}_at": at[inside], f"{name}_ids": flat[inside]}
 

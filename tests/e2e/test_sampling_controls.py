@@ -144,3 +144,23 @@ def test_real_model_greedy_with_penalties_equals_transformers() -> None:
     with LLM("smollm2-135m-instruct", device="cpu", dtype="float32") as llm:
         done = llm.generate(prompts, params)
     assert [c.token_ids for c in done] == expected
+
+
+def test_seeded_sampling_with_controls_is_the_same_under_every_schedule(model: Path) -> None:
+    """Random sampling (seeded: batch-independent draws) with penalties, a bias, min-p
+    and bad words: every sample of n=3 the same whatever the schedule, overlapped or
+    not, preempted by swap or by recompute (the worker's token history is the same)."""
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, min_p=0.05, seed=7, n=3, max_tokens=NEW_TOKENS,
+        ignore_eos=True, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4,
+        logit_bias={77: 4.0}, bad_words_token_ids=[[9], [13, 5]],
+    )  # fmt: skip
+    outputs = {}
+    for name, schedule in SCHEDULES.items():
+        with LLM(model, device="cpu", dtype="float32", **schedule) as llm:
+            done = llm.generate(PROMPTS, params)
+        outputs[name] = [[s.token_ids for s in c.samples] for c in done]
+        for samples in outputs[name]:
+            assert all(9 not in tokens for tokens in samples)  # a one-token bad word
+            assert len({tuple(t) for t in samples}) > 1  # the samples do differ
+    assert all(out == outputs["default"] for out in outputs.values()), outputs

@@ -114,6 +114,18 @@ def _fields(p: SamplingParams) -> dict[str, object]:
     return {name: getattr(p, name) for name in p.__struct_fields__}
 
 
+def test_greedy_rows_without_logprobs_are_shaped_too() -> None:
+    """The sampler's one-argmax fast path is only for rows nothing shapes; controls that
+    need no history (bias, allowed tokens) need no histories argument."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={0: -10.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=(2, 3), logit_bias={3: 1.0}),
+    ]
+    out = Sampler().sample(logits, params, [None, None], [(), ()])
+    assert out.token_ids == [1, 3]
+
+
 def test_penalties_need_a_history() -> None:
     with pytest.raises(ValueError, match="no history"):
         shaping_arrays([SamplingParams(presence_penalty=1.0)], [None], 10)
