@@ -92,8 +92,7 @@ def shaping_arrays(
         arrays["penalty_rows"] = np.concatenate(at)
         arrays["penalty_ids"] = np.concatenate(ids)
         arrays["penalty_counts"] = np.concatenate(counts)
-        per_row = np.zeros((3, len(params)), dtype=np.float32)
-        per_row[0] = 1.0
+        per_row = np.zeros((3, len(params)), dtype=np.float32)  # read for penalised rows only
         for r in penalised:
             p = params[r]
             per_row[:, r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
