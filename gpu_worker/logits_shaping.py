@@ -42,6 +42,8 @@ class History:
     """The tokens a row's penalties read: its sequence's prompt and output so far."""
 
     prompt: np.ndarray
+    """The prompt's token ids (repeats allowed; the worker passes its distinct ids, kept
+    with the sequence: only whether a token is there counts)."""
     output: np.ndarray
 
 
@@ -83,8 +85,10 @@ def shaping_arrays(
         at, ids, counts = [], [], []
         for r in penalised:
             held: History = histories[r]  # type: ignore[assignment]
-            seen, index = np.unique(np.concatenate([held.prompt, held.output]), return_inverse=True)
-            in_output = np.bincount(index[len(held.prompt) :], minlength=len(seen))
+            out_ids, out_counts = np.unique(held.output, return_counts=True)
+            seen = np.union1d(held.prompt, out_ids)
+            in_output = np.zeros(len(seen), dtype=np.int64)
+            in_output[np.searchsorted(seen, out_ids)] = out_counts
             inside = seen < vocab
             at.append(np.full(int(inside.sum()), r, dtype=np.int64))
             ids.append(seen[inside].astype(np.int64))

@@ -441,14 +441,16 @@ class ModelRunner:
                     ids = [*p.stop_token_ids, *self.eos_token_ids]
                     seq.banned_ids = np.unique(np.array(ids, dtype=np.int64))
                 banned = seq.banned_ids
-            output = seq.token_ids[seq.num_prompt_tokens :]
             if p.bad_words_token_ids:
+                output = seq.token_ids[seq.num_prompt_tokens :]
                 bans = bad_word_bans(p.bad_words_token_ids, output)
                 banned = np.concatenate([banned, np.array(bans, dtype=np.int64)])
             history = None
             if p.penalised:
-                prompt = np.array(seq.token_ids[: seq.num_prompt_tokens], dtype=np.int64)
-                history = History(prompt, np.array(output, dtype=np.int64))
+                if seq.prompt_seen is None:  # once per sequence, not per step
+                    seq.prompt_seen = np.unique(seq.token_ids[: seq.num_prompt_tokens])
+                output_ids = np.array(seq.token_ids[seq.num_prompt_tokens :], dtype=np.int64)
+                history = History(seq.prompt_seen, output_ids)
             for sample_index in item.sample_indices:
                 rows.append(inputs.query_start_loc[index + 1] - 1)
                 params.append(p)

@@ -62,6 +62,9 @@ class WorkerSeq:
     """The ids masked while below ``min_tokens`` (stop ids and EOS, once each): built by
     the model runner the first time they are needed (the sampler skips those beyond the
     vocabulary)."""
+    prompt_seen: np.ndarray | None = None
+    """The prompt's distinct token ids, sorted: built by the model runner the first time
+    a penalty needs them (the prompt never changes)."""
 
     @classmethod
     def from_new(cls, new: NewSeq, sampling: SamplingParams) -> WorkerSeq:

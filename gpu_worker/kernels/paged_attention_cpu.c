@@ -46,21 +46,32 @@ static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+/* exp's range reduction (ln 2 in two parts) and polynomial, shared by exp8 and exp16. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 /* exp(x) on eight lanes for x <= 0 (a softmax after subtracting the max); 0 below -87. */
 static inline __m256 exp8(__m256 x) {
     const __m256 floor_x = _mm256_set1_ps(-87.0f);
     const __m256 below = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
     x = _mm256_max_ps(x, floor_x);
     const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+        _mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -92,16 +103,16 @@ static inline __m512 exp16(__m512 x) {
     const __mmask16 below = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
     x = _mm512_max_ps(x, floor_x);
     const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     const __m512i bits =
         _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
@@ -131,6 +142,15 @@ static inline float exp_shifted(float *x, int64_t n, float top) {
         total += x[j];
     }
     return total;
+}
+
+/* The online softmax's step: a row's running max raised to include top (finite); returns
+ * the factor its running sums take (0 for the first keys, 1 when the max holds). */
+static inline float raise_max(float *run_max, float top) {
+    const float old = *run_max;
+    if (top <= old) return 1.0f;
+    *run_max = top;
+    return old == -INFINITY ? 0.0f : expf(old - top);
 }
 
 /* The largest of x[0 .. n). */
@@ -328,12 +348,8 @@ static inline __attribute__((always_inline)) void NAME(attend_vectors)(
                 for (int64_t j = 0; j < n_slots; j++) scores[r][j] = 0.0f;
                 continue;
             }
-            const float new_max = top > run_max[r] ? top : run_max[r];
-            const float alpha = run_max[r] == -INFINITY ? 0.0f
-                                : new_max == run_max[r] ? 1.0f
-                                                        : expf(run_max[r] - new_max);
-            run_max[r] = new_max;
-            const float total = exp_shifted(scores[r], n_slots, new_max);
+            const float alpha = raise_max(&run_max[r], top);
+            const float total = exp_shifted(scores[r], n_slots, run_max[r]);
             run_sum[r] = run_sum[r] * alpha + total;
             if (alpha != 1.0f)
                 for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
@@ -461,14 +477,10 @@ static inline __attribute__((always_inline)) void NAME(attend_tiles)(
 #if DOT_BF16
                 scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
 #endif
-                float *m = &run_max[h][r];
                 const float top = _mm512_mask_reduce_max_ps(seen, scores);
-                const float new_max = top > *m ? top : *m;
-                const float alpha = *m == -INFINITY ? 0.0f
-                                    : new_max == *m ? 1.0f
-                                                    : expf(*m - new_max);
-                *m = new_max;
-                const __m512 shifted = _mm512_maskz_sub_ps(seen, scores, _mm512_set1_ps(new_max));
+                const float alpha = raise_max(&run_max[h][r], top);
+                const __m512 max = _mm512_set1_ps(run_max[h][r]);
+                const __m512 shifted = _mm512_maskz_sub_ps(seen, scores, max);
                 const __m512 e = _mm512_maskz_mov_ps(seen, exp16(shifted));
                 run_sum[h][r] = run_sum[h][r] * alpha + _mm512_reduce_add_ps(e);
                 _mm512_storeu_ps(p[h][r], e);
