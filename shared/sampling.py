@@ -115,7 +115,8 @@ class SamplingParams(
             _fail("top_p", "must be in (0, 1]", self.top_p)
         _int(self.top_k, "top_k", low=0)
         _optional_int(self.seed, "seed", low=0, high=MAX_SEED)
-        self._store("stop_token_ids", _token_ids(self.stop_token_ids))
+        stop_ids = _ids(self.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        self._store("stop_token_ids", stop_ids)
         self._store("stop", _stop_strings(self.stop))
         _int(self.n, "n", low=1, high=MAX_N)
         _optional_int(self.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
@@ -214,10 +215,9 @@ def _bounded(value: object, name: str, low: float, high: float, field: str | Non
 def _ids(
     value: object, name: str, limit: int = MAX_TOKEN_ID_LIST, field: str | None = None
 ) -> tuple[int, ...]:
+    """A list of token ids (at most ``limit``) as a tuple; errors name ``field``."""
     field = field or name
-    if not isinstance(value, (tuple, list)):
-        _fail(name, "expected a list", value, field=field)
-    items = tuple(value)
+    items = _sequence(value, name, field)
     if len(items) > limit:
         raise InvalidRequestError(
             f"{name}: at most {limit} token ids, got {len(items)}", field=field
@@ -266,24 +266,12 @@ def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
     return value if result == value else result  # type: ignore[return-value]
 
 
-def _sequence(value: object, name: str) -> tuple[object, ...]:
+def _sequence(value: object, name: str, field: str | None = None) -> tuple[object, ...]:
     if isinstance(value, tuple):
         return value
     if isinstance(value, list):
         return tuple(value)
-    _fail(name, "expected a list", value)
-
-
-def _token_ids(value: object) -> tuple[int, ...]:
-    items = _sequence(value, "stop_token_ids")
-    if len(items) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
-            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(items)}",
-            field="stop_token_ids",
-        )
-    for index, item in enumerate(items):
-        _int(item, f"stop_token_ids[{index}]", low=0, field="stop_token_ids")
-    return items  # type: ignore[return-value]  # every item checked above
+    _fail(name, "expected a list", value, field=field)
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
