@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from gpu_worker.attention.native_backend import NativeBackend, NativeKernels, _loaded
+from gpu_worker.attention.native_backend import NativeBackend, load
 from gpu_worker.kernels.attention_args import layer_params
 
 
@@ -42,22 +42,21 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    loaded = _loaded(dtype)
-    if isinstance(loaded, str):
-        raise SystemExit(f"no native kernel: {loaded}")
-    kernels: NativeKernels = loaded
-    rng = np.random.default_rng(0)
     bs, layers = args.block_size, args.layers
+    layout = argparse.Namespace(
+        num_layers=layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=bs, dtype=dtype,
+    )  # fmt: skip
+    kernels, why = load(torch.device("cpu"), layout, args.heads)
+    if kernels is None:
+        raise SystemExit(f"no native kernel: {why}")
+    rng = np.random.default_rng(0)
     lens = rng.integers(args.context // 2, args.context * 3 // 2 + 1, args.seqs).astype(np.int32)
     width = int(-(-lens.max() // bs))
     num_blocks = args.seqs * width
     tables = rng.permutation(num_blocks).reshape(args.seqs, width).astype(np.int32)
     shape = (num_blocks, layers, 2, bs, args.kv_heads, args.head_dim)
     kv = torch.randn(shape, dtype=torch.float32).to(dtype)
-    layout = argparse.Namespace(
-        num_layers=layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=bs, dtype=dtype,
-    )  # fmt: skip
     backend = NativeBackend(layout, args.heads, torch.device("cpu"), kernels)
     rows = np.arange(args.seqs)
     arrays = {

@@ -126,7 +126,7 @@ class NativeKernels:
         """What the build uses (``FEATURES``' names): ``-march=native`` decides."""
         self.tiles = True
         """With ``avx512``: attend in tiles of 16 keys (block sizes a multiple of 16,
-        head_dim of 32, no soft-capping); else, or False, vector by vector."""
+        head_dim a multiple of 32, no soft-capping); else, or False, vector by vector."""
         self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
         self._store.restype = None
         self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
