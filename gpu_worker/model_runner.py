@@ -4,7 +4,8 @@ One :meth:`ModelRunner.execute` per plan, in named steps: apply the plan to the
 sequence state (:class:`ipc.plan_state.WorkerState`, which keeps each sequence's
 tokens and block table between steps, so plans carry deltas only), swap out, swap in,
 copy-on-write, prepare the packed inputs, one forward over every scheduled token, then
-the LM head over each sampled sequence's last position only and the sampler.
+the LM head over each sampled sequence's last position only and the sampler (and over
+the prompt positions of the requests that ask for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.logits_shaping import History, bad_word_bans
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_source import resolve_model
+from gpu_worker.prompt_logprobs import prompt_logprobs
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_flops import StepFlops
@@ -155,6 +157,9 @@ class ModelRunner:
         self.staging = Staging(device, self.clock)
         """The step's transfers: index arrays in, sampled tokens out."""
         self.sampler = Sampler(self.staging)
+        self.prompt_logprob_rows = limits.max_num_seqs
+        """LM-head rows per piece of a step's prompt logprobs (those the sampler's
+        memory was profiled with)."""
         self.memory_profile: MemoryProfile | None = None
         """What the cache was sized from (CUDA without num_gpu_blocks)."""
         self.graphs: DecodeGraphs | None = None
@@ -351,6 +356,10 @@ class ModelRunner:
         clock.mark("forwarded")
         reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden)
+        prompt_lp = prompt_logprobs(
+            batch, inputs.query_start_loc, hidden, self.logits, self.staging,
+            self.prompt_logprob_rows,
+        )  # fmt: skip
         read = self.staging.host_syncs > reads  # the device is done with the step
         if not read:
             clock.mark("read")
@@ -360,6 +369,7 @@ class ModelRunner:
             step=plan.step,
             sampled_token_ids=sampled,
             logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
             timing=StepTiming(
                 swap_s=clock.between("applied", "swapped", read),
                 forward_s=clock.between("prepared", "forwarded", read),

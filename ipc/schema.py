@@ -28,7 +28,7 @@ from typing import Annotated
 
 import msgspec
 
-from shared.outputs import Completion, FinishReason
+from shared.outputs import Completion, FinishReason, PromptLogprobs
 from shared.sampling import SamplingParams
 from shared.worker_settings import WorkerSettings
 
@@ -238,6 +238,9 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_fi
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None
     """Per sequence, per sampled token: token id -> logprob (sampled + top-k)."""
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    """Per sequence whose request asked for them: the prompt positions this step's
+    chunk computed the logprobs of (a recomputed prefill sends them again)."""
     timing: StepTiming = StepTiming()
 
 
@@ -433,6 +436,8 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta", tag_field="t
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
     """With finish_reason ``stop``: the stop string or stop token id (None for EOS)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On a request's first Delta, when it asked for them: every prompt position's."""
 
 
 class DeltaBatch(msgspec.Struct, frozen=True, kw_only=True, tag="deltas", tag_field="type"):

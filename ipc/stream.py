@@ -31,7 +31,7 @@ from ipc.schema import (
     Timings,
     Usage,
 )
-from shared.outputs import CompletionSample, FinishReason
+from shared.outputs import CompletionSample, FinishReason, PromptLogprobs
 from shared.sampling import SamplingParams
 
 __all__ = [
@@ -65,6 +65,8 @@ class ClientCompletion(msgspec.Struct, frozen=True, kw_only=True):
     timings: Timings
     """``queue_s`` (arrival to first scheduled), ``ttft_s`` (to first token),
     ``total_s`` (to finish), all measured by the server."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With ``prompt_logprobs``: the logprobs of every prompt position from 1."""
 
     @classmethod
     def from_finished(cls, finished: Finished) -> ClientCompletion:
@@ -79,6 +81,7 @@ class ClientCompletion(msgspec.Struct, frozen=True, kw_only=True):
             samples=samples,
             usage=finished.usage,
             timings=finished.timings,
+            prompt_logprobs=finished.completion.prompt_logprobs,
         )
 
 

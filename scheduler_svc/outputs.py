@@ -29,7 +29,7 @@ from ipc.schema import (
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.metrics import RequestMetrics
-from shared.outputs import Completion, CompletionSample, FinishReason
+from shared.outputs import Completion, CompletionSample, FinishReason, PromptLogprobs
 from shared.sampling import SamplingParams
 
 RECENTLY_FINISHED = 16_384
@@ -56,6 +56,11 @@ class ClientRequest:
     samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     reasons: dict[int, FinishReason] = field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_entries: list[dict[int, float]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    """The prompt logprobs held so far, of positions 1..len (with prompt_logprobs)."""
+    prompt_logprobs_sent: bool = False
+    """Streaming: they went out on its first Delta."""
     ending: bool = False
     """Aborted or failed; its Finished / ErrorReply is on its way."""
 
@@ -85,6 +90,35 @@ def _stop_reason(
         return detok.stop_reason
     last = detok.token_ids[-1] if detok.token_ids else None
     return last if last in req.params.stop_token_ids else None
+
+
+def _hold_prompt_logprobs(req: ClientRequest, chunk: PromptLogprobs) -> str | None:
+    """Add a step's prompt logprobs to ``req``'s: the positions it does not hold yet
+    (a recomputed prefill reports its positions again). A gap is a server bug: its
+    description is returned (the request fails) and nothing is added."""
+    wanted = len(req.prompt_entries) + 1
+    if chunk.first > wanted:
+        return (
+            f"prompt logprobs of position {chunk.first} arrived before those of position {wanted}"
+        )
+    skip = wanted - chunk.first
+    req.prompt_entries.extend(chunk.entries[skip:])
+    req.prompt_ranks.extend(chunk.ranks[skip:])
+    return None
+
+
+def _prompt_logprobs(req: ClientRequest) -> PromptLogprobs | None:
+    if req.params.prompt_logprobs is None:
+        return None
+    return PromptLogprobs(first=1, entries=req.prompt_entries, ranks=req.prompt_ranks)
+
+
+def _first_prompt_logprobs(req: ClientRequest) -> PromptLogprobs | None:
+    """``req``'s prompt logprobs for the first Delta it sends, else None."""
+    if req.prompt_logprobs_sent:
+        return None
+    req.prompt_logprobs_sent = True
+    return _prompt_logprobs(req)
 
 
 class OutputProcessor:
@@ -147,6 +181,10 @@ class OutputProcessor:
                 req.first_scheduled = output.planned_at or now
                 req.cached_tokens = new.num_computed_tokens  # its prefix-cache hit
                 metrics.on_scheduled(len(req.prompt_token_ids))
+        for request_id, chunk in output.prompt_logprobs:
+            req = self.requests.get(request_id)
+            if req is not None and (gap := _hold_prompt_logprobs(req, chunk)) is not None:
+                self.fail(request_id, ErrorCode.INTERNAL, gap)
         generated = 0
         itl = metrics.itl
         ended = {(rid, index): reason for rid, index, reason in output.finished_seqs}
@@ -199,6 +237,7 @@ class OutputProcessor:
                         finish_reason=reason,
                         logprobs=None if entry is None else [entry],
                         stop_reason=None if reason is None else _stop_reason(req, detok, reason),
+                        prompt_logprobs=_first_prompt_logprobs(req),
                     )
                 )
         for client, deltas in outbox.items():
@@ -235,6 +274,7 @@ class OutputProcessor:
                         text=tail,
                         finish_reason=reason,
                         stop_reason=stop_reason,
+                        prompt_logprobs=_first_prompt_logprobs(req),
                     ),
                 )
             samples.append(
@@ -260,7 +300,10 @@ class OutputProcessor:
             Finished(
                 request_id=request_id,
                 completion=Completion(
-                    request_id=request_id, prompt_token_ids=req.prompt_token_ids, samples=samples
+                    request_id=request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    samples=samples,
+                    prompt_logprobs=_prompt_logprobs(req),
                 ),
                 usage=Usage(
                     prompt_tokens=len(req.prompt_token_ids),

@@ -18,6 +18,20 @@ class FinishReason(enum.StrEnum):
     """Aborted (by its client, or the client went away)."""
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """Logprobs of prompt positions ``first``, ``first + 1``, ... (the first prompt
+    token has none: nothing precedes it), from the raw logits of the position before
+    each (float32 log-softmax, no penalties, bias or temperature)."""
+
+    first: int = 1
+    """The prompt position of ``entries[0]`` (1 in a :class:`Completion`; a worker's
+    step covers the positions of its prefill chunk)."""
+    entries: list[dict[int, float]] = []
+    """Per position: its prompt token and the top ``prompt_logprobs`` tokens -> logprob."""
+    ranks: list[int] = []
+    """Per position: its prompt token's rank among the vocabulary (1 = most likely)."""
+
+
 class CompletionSample(msgspec.Struct, frozen=True, kw_only=True):
     """One of the n samples of a request."""
 
@@ -36,6 +50,8 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     samples: list[CompletionSample]
+    prompt_logprobs: PromptLogprobs | None = None
+    """With ``SamplingParams.prompt_logprobs``: those of every prompt position from 1."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -78,6 +78,11 @@ class SamplingParams(
     """Parallel samples of the same prompt (they share the prompt's KV blocks)."""
     logprobs: int | None = None
     """Top logprobs to return per token besides the sampled one; ``None`` = off."""
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt's tokens (from its second on), each with the top
+    ``prompt_logprobs`` tokens of its position and its rank, from the raw logits;
+    ``None`` = off. Such a request reads nothing from the prefix cache (every position
+    is computed), so ``cached_tokens`` is 0 for it."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token the output holds already, in [-2, 2]."""
     frequency_penalty: float = 0.0
@@ -120,6 +125,7 @@ class SamplingParams(
         self._store("stop", _stop_strings(self.stop))
         _int(self.n, "n", low=1, high=MAX_N)
         _optional_int(self.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
+        _optional_int(self.prompt_logprobs, "prompt_logprobs", low=0, high=MAX_LOGPROBS)
         for name in ("presence_penalty", "frequency_penalty"):
             self._store(name, _bounded(getattr(self, name), name, -2.0, 2.0))
         self._store("repetition_penalty", _float(self.repetition_penalty, "repetition_penalty"))

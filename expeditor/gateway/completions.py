@@ -21,12 +21,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 from expeditor.gateway.chat import render_messages
 from expeditor.gateway.fanout import fan_out
 from expeditor.gateway.limits import (
     check_batch,
     check_response_size,
     echo_tokens,
+    prompt_logprob_tokens,
     response_tokens,
 )
 from expeditor.gateway.model import ServedModel
@@ -40,14 +43,17 @@ from expeditor.gateway.responses import (
     add_usage,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     error_of,
+    join_logprobs,
+    prompt_logprobs_body,
     sse,
     usage_body,
 )
 from expeditor.gateway.stream_buffer import bounded_stream
 from ipc.async_client import AsyncClient, ClientCompletion
 from ipc.schema import Delta, Timings, Usage
-from shared.outputs import CompletionSample, FinishReason
+from shared.outputs import CompletionSample, FinishReason, PromptLogprobs
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +94,9 @@ class _Handler:
         self.usages: list[Usage | None] = []
         self.prompt_tokens: list[int] = []
         """Prompt length per prompt, once the scheduler accepted it (streaming usage)."""
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.prompt_lps: dict[int, PromptLogprobs] = {}
+        """Per prompt index, with prompt logprobs: its token ids and their logprobs."""
         self.token_text = _token_id_text if body.return_tokens_as_token_ids else model.token_text
 
     async def prepare(self) -> None:
@@ -101,9 +110,9 @@ class _Handler:
 
     async def _generate(self, index: int) -> ClientCompletion:
         text, token_ids = self.prompts[index]
-        if self.body.zero_tokens:
+        if self.body.zero_tokens and self.params.prompt_logprobs is None:
             return self._nothing_to_generate(index, await self._prompt_ids(index))
-        return await self.client.generate(
+        done = await self.client.generate(
             text,
             prompt_token_ids=token_ids,
             request_id=self._request_id(index),
@@ -112,6 +121,12 @@ class _Handler:
             timeout=None,
             user=self.user,
         )
+        if done.prompt_logprobs is not None:
+            self.prompt_ids[index] = done.prompt_token_ids
+            self.prompt_lps[index] = done.prompt_logprobs
+        if self.body.zero_tokens:  # ran for the prompt's logprobs: its token is dropped
+            return _without_output(done)
+        return done
 
     async def complete(self) -> dict[str, Any]:
         """Run every prompt to the end; the whole response body. One failure (or a
@@ -131,6 +146,7 @@ class _Handler:
             "model": self.model.name,
             "choices": choices,
             "usage": add_usage([r.usage for r in results]),
+            **self._response_extra(),
         }
 
     def _events(self) -> AsyncIterator[tuple[int, Delta]]:
@@ -201,7 +217,7 @@ class _Handler:
     async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
         text, token_ids = self.prompts[index]
         if self.body.zero_tokens:
-            done = self._nothing_to_generate(index, await self._prompt_ids(index))
+            done = await self._generate(index)
             self.prompt_tokens[index] = done.usage.prompt_tokens
             self.usages[index] = done.usage
             for sample in done.samples:
@@ -229,6 +245,9 @@ class _Handler:
             async for delta in stream:
                 if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
                     self.prompt_tokens[index] = len(stream.prompt_token_ids)
+                if delta.prompt_logprobs is not None and stream.prompt_token_ids is not None:
+                    self.prompt_ids[index] = stream.prompt_token_ids
+                    self.prompt_lps[index] = delta.prompt_logprobs
                 more = stream.ready()  # fell behind: one chunk per sample for all of it
                 if not more:
                     yield index, delta
@@ -300,6 +319,18 @@ class _Handler:
     def _opening(self, prompt_index: int) -> list[bytes]:
         return []
 
+    def _response_extra(self) -> dict[str, Any]:
+        """Top-level fields of the whole response beyond the common ones."""
+        return {}
+
+    def _prompt_logprobs(self, prompt_index: int) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` of prompt ``prompt_index``, when asked for."""
+        if self.body.prompt_logprobs is None or prompt_index not in self.prompt_lps:
+            return None
+        return prompt_logprobs_body(
+            self.prompt_ids[prompt_index], self.prompt_lps[prompt_index], self.token_text
+        )
+
     def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -328,9 +359,29 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
                 finish_reason=group[-1].finish_reason,
                 stop_reason=group[-1].stop_reason,
                 logprobs=[e for lp in with_logprobs for e in lp] if with_logprobs else None,
+                prompt_logprobs=next(
+                    (d.prompt_logprobs for d in group if d.prompt_logprobs is not None), None
+                ),
             )
         )
     return merged
+
+
+def _without_output(done: ClientCompletion) -> ClientCompletion:
+    """``done`` as if it generated nothing (max_tokens 0: it ran for the prompt's
+    logprobs only); every sample empty, ended by length."""
+    samples = [
+        CompletionSample(index=s.index, token_ids=[], text="", finish_reason=FinishReason.LENGTH)
+        for s in done.samples
+    ]
+    return msgspec.structs.replace(
+        done,
+        token_ids=[],
+        text="",
+        finish_reason=FinishReason.LENGTH,
+        samples=samples,
+        usage=msgspec.structs.replace(done.usage, completion_tokens=0),
+    )
 
 
 def _token_id_text(token_id: int) -> str:
@@ -350,9 +401,12 @@ class CompletionHandler(_Handler):
         n = self.params.n
         config = self.gateway.config
         check_batch(len(prompts), n, config)
-        echoed = [echo_tokens(p) for p in prompts] if body.echo else [0] * len(prompts)
+        sizes = [echo_tokens(p) for p in prompts]
+        echoed = sizes if body.echo else [0] * len(prompts)
+        # vLLM's prompt_logprobs come with every choice
+        listed = n * prompt_logprob_tokens(sizes, body.prompt_logprobs)
         check_response_size(
-            response_tokens(n, echoed, self._max_new_tokens(prompts), body.logprobs),
+            response_tokens(n, echoed, self._max_new_tokens(prompts), body.logprobs, listed),
             config,
             "n" if n > 1 else "max_tokens",
         )
@@ -361,7 +415,8 @@ class CompletionHandler(_Handler):
         """The prompt text each choice starts with (echo), not sent yet when streaming."""
         if body.echo:
             self.echoed = await self._echoed_texts(sum(echoed))
-        self.echo_pending = set(range(len(self.prompts) * n))
+        self.first_pending = set(range(len(self.prompts) * n))
+        """Choices whose first chunk is not sent yet (it carries the echo)."""
         self.text_offsets = [len(self.echoed[i // n]) for i in range(len(self.prompts) * n)]
         """Per choice: where its next token's text starts (the logprobs' text_offset)."""
 
@@ -385,25 +440,46 @@ class CompletionHandler(_Handler):
             for (text, _), d in zip(self.prompts, decoded, strict=True)
         ]
 
+    def _echoed_logprobs(self, prompt_index: int) -> dict[str, Any] | None:
+        """With echo and logprobs: the legacy ``logprobs`` of the echoed prompt."""
+        if not self.body.echo_logprobs:
+            return None
+        return echo_logprobs(
+            self.prompt_ids[prompt_index],
+            self.prompt_lps[prompt_index],
+            self.token_text,
+            self.body.logprobs or 0,
+        )
+
     def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         echoed = self.echoed[prompt_index]
-        logprobs = sample.logprobs
-        return {
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = completion_logprobs(
+                sample.token_ids, sample.logprobs, self.token_text, len(echoed)
+            )
+        if (head := self._echoed_logprobs(prompt_index)) is not None:
+            logprobs = join_logprobs(head, logprobs)
+        choice = {
             "index": index,
             "text": echoed + sample.text,
-            "logprobs": None
-            if logprobs is None
-            else completion_logprobs(sample.token_ids, logprobs, self.token_text, len(echoed)),
+            "logprobs": logprobs,
             "finish_reason": str(sample.finish_reason),
             "stop_reason": sample.stop_reason,
         }
+        if self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt_index)
+        return choice
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
         text = delta.text
-        if index in self.echo_pending:
-            self.echo_pending.discard(index)
+        first = index in self.first_pending
+        if first:
+            self.first_pending.discard(index)
             text = self.echoed[prompt_index] + text
-        if not text and delta.finish_reason is None and delta.logprobs is None:
+        # the first chunk carries the echo and the prompt's logprobs, if any
+        opening = first and (self.body.echo or self.body.prompt_logprobs is not None)
+        if not (opening or text or delta.finish_reason is not None or delta.logprobs is not None):
             return None
         logprobs = None
         if delta.logprobs is not None:
@@ -411,6 +487,8 @@ class CompletionHandler(_Handler):
                 delta.token_ids, delta.logprobs, self.token_text, self.text_offsets[index]
             )
             self.text_offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        if first and (head := self._echoed_logprobs(prompt_index)) is not None:
+            logprobs = join_logprobs(head, logprobs)
         reason = None if delta.finish_reason is None else str(delta.finish_reason)
         choice = {
             "index": index,
@@ -419,6 +497,8 @@ class CompletionHandler(_Handler):
             "finish_reason": reason,
             "stop_reason": delta.stop_reason,
         }
+        if first and self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt_index)
         return {**self._chunk_head(), "choices": [choice]}
 
 
@@ -452,11 +532,14 @@ class ChatHandler(_Handler):
             limit = max(0, (self.model.max_model_len or 0) - len(token_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        listed = prompt_logprob_tokens([len(token_ids)], body.prompt_logprobs)
         check_response_size(
-            response_tokens(n, [0], limit, logprobs), config, "n" if n > 1 else field
+            response_tokens(n, [0], limit, logprobs, listed), config, "n" if n > 1 else field
         )
         self.prompts = [(None, token_ids)]
         self.top_n = body.top_logprobs or 0
+        self.prompt_logprobs_pending = body.prompt_logprobs is not None
+        """Streaming: the prompt's logprobs go on the first chunk after the opening."""
 
     def _opening(self, prompt_index: int) -> list[bytes]:
         head = self._chunk_head()
@@ -477,6 +560,11 @@ class ChatHandler(_Handler):
             for index in range(self.params.n)
         ]
 
+    def _response_extra(self) -> dict[str, Any]:
+        if self.body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self._prompt_logprobs(0)}
+
     def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         logprobs = sample.logprobs
         return {
@@ -490,8 +578,12 @@ class ChatHandler(_Handler):
         }
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and delta.logprobs is None:
+        first = self.prompt_logprobs_pending
+        if not (
+            first or delta.text or delta.finish_reason is not None or delta.logprobs is not None
+        ):
             return None
+        self.prompt_logprobs_pending = False
         logprobs = None
         if delta.logprobs is not None:
             logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.token_text, self.top_n)
@@ -502,4 +594,6 @@ class ChatHandler(_Handler):
             "finish_reason": None if delta.finish_reason is None else str(delta.finish_reason),
             "stop_reason": delta.stop_reason,
         }
+        if first:
+            return {**self._chunk_head(), "choices": [choice], **self._response_extra()}
         return {**self._chunk_head(), "choices": [choice]}

@@ -7,7 +7,9 @@ The response is measured in tokens, the unit known up front: every choice carrie
 echoed prompt (token id prompts: their length; text prompts: one token per
 :data:`ECHO_BYTES_PER_TOKEN` bytes of UTF-8, a little above a typical tokenizer's
 average) and up to ``max_tokens`` generated tokens, each counted ``2 + logprobs`` times
-when logprobs are asked for (the token, its logprob and ``logprobs`` alternatives).
+when logprobs are asked for (the token, its logprob and ``logprobs`` alternatives; an
+echoed prompt's tokens too, which then come with theirs); vLLM's ``prompt_logprobs``
+count ``2 + prompt_logprobs`` per prompt token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "check_batch",
     "check_response_size",
     "echo_tokens",
+    "prompt_logprob_tokens",
     "response_tokens",
 ]
 
@@ -53,11 +56,21 @@ def echo_tokens(prompt: str | Sequence[int]) -> int:
     return len(prompt)
 
 
-def response_tokens(n: int, echoed: Sequence[int], max_tokens: int, logprobs: int | None) -> int:
+def response_tokens(
+    n: int, echoed: Sequence[int], max_tokens: int, logprobs: int | None, listed: int = 0
+) -> int:
     """The tokens of a response: ``n`` choices per prompt, each its echoed prompt
-    (``echoed``: per prompt, 0 without echo) and ``max_tokens`` generated tokens."""
+    (``echoed``: per prompt, 0 without echo) and ``max_tokens`` generated tokens, with
+    their ``logprobs``; and ``listed``, the prompt logprobs it lists
+    (:func:`prompt_logprob_tokens`)."""
     per_token = 1 if logprobs is None else 2 + logprobs
-    return n * (sum(echoed) + len(echoed) * max_tokens * per_token)
+    return n * (sum(echoed) + len(echoed) * max_tokens) * per_token + listed
+
+
+def prompt_logprob_tokens(sizes: Sequence[int], prompt_logprobs: int | None) -> int:
+    """What listing vLLM's ``prompt_logprobs`` of prompts of ``sizes`` tokens adds to a
+    response, once: ``2 + prompt_logprobs`` per prompt token."""
+    return 0 if prompt_logprobs is None else sum(sizes) * (2 + prompt_logprobs)
 
 
 def check_response_size(estimate: int, config: GatewayConfig, param: str) -> None:

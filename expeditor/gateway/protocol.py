@@ -7,7 +7,7 @@ Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``,
 lower is served first). No field is dropped silently: a field this server does not know
 is a 400 naming it, those of :data:`IGNORED` are accepted with no effect (each with its
 reason), and known features it does not implement (:data:`REFUSED`, ``suffix``, tools,
-structured output, echo with logprobs) are a 400 naming the field.
+structured output) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ REFUSED: dict[str, str] = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "typical_p": "typical sampling is not supported",
-    "prompt_logprobs": "the prompt's logprobs are not computed",
     "reasoning_effort": "this model does not reason on request",
 }
 """Fields known from OpenAI's, vLLM's or llama.cpp's APIs that this server does not
@@ -131,6 +130,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool = False
     """vLLM: logprob tokens as ``token_id:N`` (exact, where text is ambiguous)."""
     best_of: Int | None = None
+    prompt_logprobs: Int | None = None
+    """vLLM: the prompt tokens' logprobs, with this many top tokens per position."""
     # known but not implemented: refused unless null (REFUSED says why)
     guided_json: Any = None
     guided_regex: Any = None
@@ -142,7 +143,6 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar: Any = None
     json_schema: Any = None
     typical_p: Any = None
-    prompt_logprobs: Any = None
     reasoning_effort: Any = None
 
     def _refuse_unsupported(self) -> None:
@@ -192,6 +192,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "logprobs": logprobs,
             "seed": self.seed,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "prompt_logprobs": self.prompt_logprobs,
         }
         for name in ("temperature", "top_p", "min_p") + PENALTIES:
             if getattr(self, name) is not None:
@@ -274,13 +275,16 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise GatewayRequestError(
                 "response_format: structured output is not supported", param="response_format"
             )
-        if self.echo and self.logprobs is not None:
-            raise GatewayRequestError(
-                "echo: echo with logprobs needs the prompt's logprobs, which this server "
-                "does not compute; drop one of the two",
-                param="echo",
-            )
-        return self.sampling(self.max_tokens, self.logprobs, encode)
+        params = self.sampling(self.max_tokens, self.logprobs, encode)
+        if self.echo_logprobs:  # the echoed prompt's logprobs: the prompt's
+            wanted = max(self.logprobs or 0, self.prompt_logprobs or 0)
+            params = msgspec.structs.replace(params, prompt_logprobs=wanted)
+        return params
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the echoed prompt's tokens come with theirs."""
+        return self.echo and self.logprobs is not None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

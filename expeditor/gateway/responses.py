@@ -25,6 +25,7 @@ from ipc.errors import (
     WorkerLostError,
 )
 from ipc.schema import Usage
+from shared.outputs import PromptLogprobs
 
 log = logging.getLogger("expeditor.gateway")
 
@@ -33,9 +34,12 @@ __all__ = [
     "add_usage",
     "chat_logprobs",
     "completion_logprobs",
+    "echo_logprobs",
     "error_body",
     "error_of",
+    "join_logprobs",
     "json_bytes",
+    "prompt_logprobs_body",
     "sse",
     "usage_body",
 ]
@@ -128,6 +132,56 @@ def completion_logprobs(
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int], plp: PromptLogprobs, text_of: TokenText, top_n: int
+) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of an echoed prompt: its first token has none
+    (``null``), the others their logprob and, with it, the ``top_n`` most likely tokens
+    of their position; text offsets from 0."""
+    texts = [text_of(t) for t in prompt_ids]
+    token_logprobs: list[float | None] = [None]
+    top: list[dict[str, float] | None] = [None]
+    for token, entry in zip(prompt_ids[1:], plp.entries, strict=False):
+        token_logprobs.append(entry.get(token))
+        ranked = _ranked(entry)
+        top.append({text_of(t): lp for i, (t, lp) in enumerate(ranked) if i < top_n or t == token})
+    offsets = [0]
+    for text in texts[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {
+        "tokens": texts,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy ``logprobs`` objects, one after the other (the echoed prompt's, then
+    the sample's)."""
+    if tail is None:
+        return head
+    return {key: head[key] + tail[key] for key in head}
+
+
+def prompt_logprobs_body(
+    prompt_ids: list[int], plp: PromptLogprobs, text_of: TokenText
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position, ``null`` for the first, then
+    token id -> ``{logprob, rank, decoded_token}`` for its token and the top ones."""
+    body: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, entry, rank in zip(prompt_ids[1:], plp.entries, plp.ranks, strict=False):
+        position: dict[str, dict[str, Any]] = {}
+        for top_rank, (t, lp) in enumerate(_ranked(entry), start=1):
+            position[str(t)] = {
+                "logprob": lp,
+                "rank": rank if t == token else top_rank,
+                "decoded_token": text_of(t),
+            }
+        body.append(position)
+    return body
 
 
 def chat_logprobs(

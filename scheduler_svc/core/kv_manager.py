@@ -82,7 +82,11 @@ class KVCacheManager:
         return hits
 
     def find_prefix(self, seq: Sequence) -> list[int]:
-        """Prefix hits for admission: always leaves at least one token to compute."""
+        """Prefix hits for admission: always leaves at least one token to compute. None
+        for a request that asks for prompt logprobs: every position of its prompt must
+        be computed (its blocks still enter the cache for others)."""
+        if seq.request.params.prompt_logprobs is not None:
+            return []
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:

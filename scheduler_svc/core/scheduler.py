@@ -469,6 +469,10 @@ class Scheduler(SequenceEnding):
         plain = not logprobs
         output = done.output
         assert output is not None  # made with the plan
+        if result.prompt_logprobs:
+            for seq_id, chunk in result.prompt_logprobs.items():
+                if (seq := self.seqs.get(seq_id)) is not None:
+                    output.prompt_logprobs.append((seq.request.request_id, chunk))
         advanced, new_tokens = output.advanced, output.new_tokens
         finished = SeqStatus.FINISHED
         for seq in done.sampling:

@@ -25,7 +25,7 @@ from ipc.schema import BatchPlan, BlockUpdate, NewSeq, StepResult
 from scheduler_svc.core.kv_manager import CopyOnWrite
 from scheduler_svc.core.policies import PreemptionMode
 from scheduler_svc.core.request import Request, Sequence
-from shared.outputs import FinishReason
+from shared.outputs import FinishReason, PromptLogprobs
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -60,6 +60,9 @@ class StepOutput:
     """Requests whose last sample it ended."""
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     """Sequence id -> logprobs of its new token, where the request asked for them."""
+    prompt_logprobs: list[tuple[str, PromptLogprobs]] = field(default_factory=list)
+    """(request id, the prompt positions its step computed the logprobs of), where the
+    request asked for them; a recomputed prefill repeats positions."""
     lost: bool = False
     """The workers lost the step (its result, if any, was dropped with the device
     cache): nothing above was applied, its requests were re-queued."""

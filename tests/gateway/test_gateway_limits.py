@@ -20,7 +20,12 @@ from support.serve import descendants_named, rss_mb, running_http_serve
 
 from expeditor.gateway.chat import RESERVED_NAMES, ChatTemplate, render_messages
 from expeditor.gateway.fanout import fan_out
-from expeditor.gateway.limits import check_batch, check_response_size, response_tokens
+from expeditor.gateway.limits import (
+    check_batch,
+    check_response_size,
+    prompt_logprob_tokens,
+    response_tokens,
+)
 from expeditor.gateway.protocol import GatewayRequestError
 from expeditor.gateway.responses import DONE
 from expeditor.gateway.stream_buffer import bounded_stream
@@ -44,6 +49,11 @@ def test_batch_and_choices_limits_name_their_setting() -> None:
 def test_response_estimate_counts_echo_choices_and_logprobs() -> None:
     assert response_tokens(2, [10, 20], 5, None) == 2 * (30 + 2 * 5)
     assert response_tokens(1, [0], 100, 3) == 100 * 5  # token, its logprob, 3 others
+    # echo with logprobs: the echoed prompt's tokens come with theirs
+    assert response_tokens(2, [10], 5, 3) == 2 * (10 + 5) * 5
+    assert prompt_logprob_tokens([10, 20], 4) == 30 * 6
+    assert prompt_logprob_tokens([10, 20], None) == 0
+    assert response_tokens(1, [0], 5, None, 7) == 5 + 7
     config = GatewayConfig(max_response_tokens=1000)
     check_response_size(1000, config, "n")
     with pytest.raises(GatewayRequestError, match="max_response_tokens=1000") as info:

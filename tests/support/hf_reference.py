@@ -71,3 +71,14 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
+
+
+def hf_prompt_log_softmax(
+    checkpoint: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Per prompt, run alone: transformers' float32 log-softmax at every position
+    (``[len(prompt), vocab]``; row ``p`` is the distribution of token ``p + 1``)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    model.eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompts]
