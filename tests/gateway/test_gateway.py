@@ -20,8 +20,8 @@ from typing import IO
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.hf_reference import Oracle
-from support.http import get, local, post
+from support.hf_reference import Oracle, hf_prompt_log_softmax
+from support.http import get, local, post, post_json
 from support.idle import wait_idle
 from support.serve import running_http_serve
 from tokenizers import Tokenizer
@@ -263,6 +263,94 @@ def test_max_tokens_zero_answers_without_generating(sync_client, model_name, mod
 
 
 # -- the SSE wire format -------------------------------------------------------------------
+
+
+def _events(payload: bytes) -> list[dict]:
+    """The JSON bodies of an SSE response (before ``[DONE]``)."""
+    events = payload.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    return [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_equal_transformers(
+    server, model_name, model
+) -> None:
+    """Completions with echo and logprobs list the prompt's tokens with their logprobs
+    (the first ``null``), then the sample's; max_tokens 0 scores the prompt alone;
+    vLLM's ``prompt_logprobs`` (completions and chat, whole and streamed) give each
+    position's token, rank and top tokens. Values equal transformers' log-softmax; a
+    request for them reports no prefix-cache hit even for a prompt served before."""
+    prompt = PROMPTS[1]
+    (ref,) = hf_prompt_log_softmax(model, [prompt])
+    want = [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+    url = server[1]
+    base = {"model": model_name, "prompt": prompt, "temperature": 0}
+    status, plain = post_json(url, "/v1/completions", {**base, "max_tokens": 3, "logprobs": 2},
+                              timeout=30)  # fmt: skip
+    assert status == 200
+    status, echoed = post_json(
+        url, "/v1/completions", {**base, "max_tokens": 3, "logprobs": 2, "echo": True}, timeout=30
+    )
+    assert status == 200
+    choice = echoed["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])  # 2 best and the token
+    generated = plain["choices"][0]["logprobs"]
+    # (the plain request read the cache: its sums differ in the last bits)
+    assert lp["token_logprobs"][len(prompt) :] == pytest.approx(
+        generated["token_logprobs"], abs=1e-4
+    )
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert choice["text"].endswith(plain["choices"][0]["text"])
+    assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # served before
+    status, again = post_json(url, "/v1/completions", {**base, "max_tokens": 1}, timeout=30)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # it was cached
+    # scoring: nothing generated
+    status, scored = post_json(
+        url, "/v1/completions", {**base, "max_tokens": 0, "logprobs": 0, "echo": True}, timeout=30
+    )
+    assert status == 200 and scored["usage"]["completion_tokens"] == 0
+    assert scored["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert len(scored["choices"][0]["logprobs"]["tokens"]) == len(prompt)
+    # vLLM's prompt_logprobs, on a completion and streamed (on the first chunk)
+    body = {**base, "max_tokens": 2, "prompt_logprobs": 3}
+    status, whole = post_json(url, "/v1/completions", body, timeout=30)
+    assert status == 200
+    listed = whole["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = listed[position][str(prompt[position])]
+        row = ref[position - 1]
+        assert entry["logprob"] == pytest.approx(want[position - 1], abs=1e-4)
+        assert entry["rank"] == int((row > row[prompt[position]]).sum()) + 1
+        best = row.topk(3).indices.tolist()
+        assert {str(t) for t in best} <= set(listed[position])
+        assert all(listed[position][str(t)]["rank"] == r for r, t in enumerate(best, start=1))
+    status, _, payload = _post(url, "/v1/completions", {**body, "stream": True})
+    chunks = _events(payload)
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == listed
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+    stream = {**base, "max_tokens": 3, "logprobs": 2, "echo": True, "stream": True}
+    status, _, payload = _post(url, "/v1/completions", stream)
+    streamed = [t for c in _events(payload) for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    # chat: once, at the top level (streamed: on the first chunk after the opening)
+    chat = {"model": model_name, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "prompt_logprobs": 1}  # fmt: skip
+    status, reply = post_json(url, "/v1/chat/completions", chat, timeout=30)
+    assert status == 200
+    assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+    assert reply["prompt_logprobs"][0] is None
+    status, _, payload = _post(url, "/v1/chat/completions", {**chat, "stream": True})
+    chunks = _events(payload)
+    assert [c.get("prompt_logprobs") is not None for c in chunks].count(True) == 1
+    assert (
+        next(c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c)
+        == reply["prompt_logprobs"]
+    )
 
 
 def test_raw_sse_bytes(server, model_name) -> None:

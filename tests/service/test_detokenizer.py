@@ -12,6 +12,7 @@ from ipc.schema import BatchPlan, Delta, DeltaBatch, Finished, NewSeq
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.outputs import ClientRequest, OutputProcessor
+from shared.outputs import PromptLogprobs
 from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
 
@@ -237,3 +238,45 @@ def test_stop_reason_names_the_stop_token_and_queue_time_ends_at_planning(
     hist = proc.metrics.histograms()
     assert hist["request_queue_time_seconds"].sum == pytest.approx(3 * 0.5)
     assert hist["iteration_tokens_total"].count == 2  # the step that computed nothing is not one
+
+
+def test_prompt_logprobs_are_kept_once_per_position_and_go_on_the_first_delta(
+    tokenizer: Tokenizer,
+) -> None:
+    """Chunks of prompt logprobs (a recomputed prefill repeats positions: the first
+    report of each is kept); the first Delta and the Completion carry them; a gap fails
+    the request with an internal error instead of inventing positions."""
+    sent: list[object] = []
+    proc = OutputProcessor(tokenizer, lambda c, m: sent.append(m), lambda seq_id: None)
+    for rid in ("a", "gap"):
+        proc.requests[rid] = ClientRequest(
+            request_id=rid, client=b"c", owner=b"c", stream=True,
+            params=SamplingParams(max_tokens=4, prompt_logprobs=0),
+            prompt_token_ids=[1, 2, 3, 4, 5], arrival=0.0,
+        )  # fmt: skip
+
+    def chunk(first: int, count: int, value: float) -> PromptLogprobs:
+        return PromptLogprobs(
+            first=first,
+            entries=[{first + i: value} for i in range(count)],
+            ranks=[first + i for i in range(count)],
+        )
+
+    proc.on_step(step_output([], prompt_logprobs=[("a", chunk(1, 2, -1.0))]))
+    # recomputed from the start, further this time; then the gap
+    proc.on_step(step_output([], prompt_logprobs=[("a", chunk(1, 3, -9.0))]))
+    proc.on_step(step_output([], prompt_logprobs=[("gap", chunk(2, 2, -1.0))]))
+    assert [(m.request_id, m.code) for m in sent] == [("gap", "internal")]
+    assert "position 2 arrived before those of position 1" in sent[0].message
+    token = ids(tokenizer, "a")[0]
+    proc.on_step(step_output([("a", 0, "a", token)], prompt_logprobs=[("a", chunk(4, 1, -2.0))]))
+    proc.on_step(step_output([("a", 0, "a", token)]))
+    proc.finish("a")
+    deltas = [m for m in sent if isinstance(m, Delta)]
+    want = PromptLogprobs(
+        first=1, entries=[{1: -1.0}, {2: -1.0}, {3: -9.0}, {4: -2.0}], ranks=[1, 2, 3, 4]
+    )
+    assert deltas[0].prompt_logprobs == want
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    (finished,) = [m for m in sent if isinstance(m, Finished)]
+    assert finished.completion.prompt_logprobs == want
