@@ -46,7 +46,7 @@ setup_venv() {
 # mutmut names a mutant module.path.xǁClassǁmethod__mutmut_N (x_function__mutmut_N).
 declare -A GLOBS=(
     [scheduler]="scheduler_svc.core.scheduler.* scheduler_svc.core.kv_manager.* scheduler_svc.core.block_pool.* scheduler_svc.core.policies.* scheduler_svc.core.queues.*"
-    [sampler]="gpu_worker.sampler.* gpu_worker.logits_shaping.*"
+    [sampler]="gpu_worker.sampler.* gpu_worker.logits_shaping.* gpu_worker.prompt_logprobs.*"
     [detokenizer]="scheduler_svc.detokenizer.*"
 )
 
@@ -86,7 +86,7 @@ MODULES = {
         "scheduler_svc/core/policies.py",
         "scheduler_svc/core/queues.py",
     ],
-    "sampler": ["gpu_worker/sampler.py", "gpu_worker/logits_shaping.py"],
+    "sampler": ["gpu_worker/sampler.py", "gpu_worker/logits_shaping.py", "gpu_worker/prompt_logprobs.py"],
     "detokenizer": ["scheduler_svc/detokenizer.py"],
 }
 KILLED = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout"}

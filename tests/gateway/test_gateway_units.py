@@ -362,7 +362,7 @@ def test_parse_http_address() -> None:
 
 
 def test_merge_deltas_joins_each_samples_deltas_in_order() -> None:
-    from expeditor.gateway.completions import merge_deltas
+    from expeditor.gateway.handler import merge_deltas
     from ipc.schema import Delta
 
     def delta(index: int, token: int, text: str, lp: bool = True, reason=None) -> Delta:
