@@ -131,6 +131,9 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("logprobs", False),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", 1.0),
 ]
 
 
