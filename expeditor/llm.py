@@ -25,14 +25,15 @@ from typing import Any
 import torch
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
-from ipc.schema import Finished, ServerMessage
+from ipc.schema import ErrorCode, Finished, ServerMessage
 from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.engine_builder import build_engine
 from scheduler_svc.outputs import ClientRequest, OutputProcessor
 from scheduler_svc.step_engine import InlineExecutor
+from scheduler_svc.structured_output import GrammarCompiler
 from shared.config import SchedulerConfig
-from shared.errors import ConfigError
+from shared.errors import ConfigError, InvalidRequestError
 from shared.outputs import Completion
 from shared.sampling import SamplingParams
 from shared.server_config import ModelConfig
@@ -103,6 +104,8 @@ class LLM:
         self.finished: dict[str, Completion] = {}
         """Completions of requests queued with :meth:`add_request`, until taken."""
         self._next_id = 0
+        self._grammars: GrammarCompiler | None = None
+        """Built with the first structured-output request (its tokenizer takes ~0.5 s)."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -155,8 +158,18 @@ class LLM:
     ) -> Request:
         """Queue one request; drive :meth:`step` until its Completion is in
         :attr:`finished` (pop it from there)."""
+        constraint = None
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.scheduler.vocab_size or 0, self.runner.eos_token_ids
+                )
+            try:
+                constraint = self._grammars.compile(params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
         request = self.scheduler.add_request(
-            request_id, prompt_token_ids, params, priority=priority
+            request_id, prompt_token_ids, params, priority=priority, constraint=constraint
         )
         self.outputs.requests[request_id] = ClientRequest(
             request_id=request_id,

@@ -38,6 +38,7 @@ from gpu_worker.staging import Staging
 from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
+from gpu_worker.token_bitmask import apply_bitmask, pack_rows
 from ipc.plan_state import ScheduledSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
 from shared.checkpoint import capped_max_len
@@ -355,7 +356,7 @@ class ModelRunner:
         hidden = self._forward(inputs, self.kv_cache)
         clock.mark("forwarded")
         reads = self.staging.host_syncs
-        sampled, logprobs = self._sample(batch, inputs, hidden)
+        sampled, logprobs = self._sample(batch, inputs, hidden, plan.token_masks)
         prompt_lp = prompt_logprobs(
             batch, inputs.query_start_loc, hidden, self.logits, self.staging,
             self.prompt_logprob_rows,
@@ -391,9 +392,16 @@ class ModelRunner:
         return inputs
 
     def _sample(
-        self, batch: list[ScheduledSeq], inputs: StepInputs, hidden: torch.Tensor
+        self,
+        batch: list[ScheduledSeq],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        token_masks: dict[str, bytes],
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
-        """Draw every due token: one row per sample, from its sequence's last position."""
+        """Draw every due token: one row per sample, from its sequence's last position;
+        a constrained sequence's rows under its mask (``token_masks``)."""
+        if token_masks:
+            return self._sample_rows(batch, inputs, hidden, token_masks)
         rows: list[int] = []
         owners: list[str] = []
         ends = inputs.query_start_loc
@@ -410,7 +418,7 @@ class ModelRunner:
                 or seq.num_output_tokens < p.min_tokens
                 or p.shapes_logits
             ):
-                return self._sample_rows(batch, inputs, hidden)
+                return self._sample_rows(batch, inputs, hidden, token_masks)
             rows.append(ends[index + 1] - 1)
             owners.append(seq.seq_id)
         if not rows:
@@ -430,7 +438,11 @@ class ModelRunner:
         return hidden.index_select(0, index)
 
     def _sample_rows(
-        self, batch: list[ScheduledSeq], inputs: StepInputs, hidden: torch.Tensor
+        self,
+        batch: list[ScheduledSeq],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        token_masks: dict[str, bytes],
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
         """:meth:`_sample` through the sampler: any parameters, seeds, masks, logprobs."""
         rows: list[int] = []
@@ -440,11 +452,13 @@ class ModelRunner:
         histories: list[History | None] = []
         no_mask = np.empty(0, dtype=np.int64)
         owners: list[str] = []
+        bitmasks: list[bytes | None] = []
         for index, item in enumerate(batch):
             if not item.num_samples:
                 continue
             seq = item.seq
             p = seq.sampling
+            bitmask = token_masks.get(seq.seq_id)
             banned = no_mask
             if seq.num_output_tokens < p.min_tokens:
                 if seq.banned_ids is None:  # built once per sequence, not per step
@@ -468,12 +482,19 @@ class ModelRunner:
                 masked.append(banned)
                 histories.append(history)
                 owners.append(seq.seq_id)
+                bitmasks.append(bitmask)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if not rows:
             return sampled, logprobs
-        index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
-        logits = self.logits(hidden.index_select(0, index))  # rows repeat for n > 1
+        arrays = {"rows": np.asarray(rows, dtype=np.int64)}
+        if token_masks:
+            words = len(next(iter(token_masks.values()))) // 4
+            arrays["mask_rows"], arrays["mask_bits"] = pack_rows(bitmasks, words)
+        dev = self.staging.to_device(arrays)  # one copy
+        logits = self.logits(hidden.index_select(0, dev["rows"]))  # rows repeat for n > 1
+        if token_masks:
+            logits = apply_bitmask(logits, dev["mask_rows"], dev["mask_bits"])
         out = self.sampler.sample(logits, params, keys, masked, histories)
         for row, seq_id in enumerate(owners):
             sampled.setdefault(seq_id, []).append(out.token_ids[row])

@@ -196,6 +196,10 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True, tag="plan", tag_field
     """(source device block, destination device block) copy-on-write, done before the forward."""
     num_samples: dict[str, int] = {}
     """Sequences that must return more than one sampled token (the n>1 fork step)."""
+    token_masks: dict[str, bytes] = {}
+    """Structured output: per constrained sequence that samples, its allowed tokens
+    (bit ``t % 32`` of little-endian int32 word ``t // 32``; every sample of a fork
+    step draws under its sequence's mask)."""
 
     @property
     def total_tokens(self) -> int:

@@ -53,11 +53,14 @@ from ipc.schema import (
     client_decoder,
 )
 from scheduler_svc.core.introspection import snapshot
-from scheduler_svc.core.request import RejectedError
+from scheduler_svc.core.request import RejectedError, TokenConstraint
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded
 from scheduler_svc.reply_outbox import ReplyOutbox
+from scheduler_svc.structured_output import GrammarCompiler
+from shared.errors import InvalidRequestError
 from shared.memory import malloc_trim
+from shared.structured_output import StructuredOutput
 from shared.tokenizer import INLINE_TOKENIZE_CHARS
 
 if TYPE_CHECKING:
@@ -128,6 +131,8 @@ class Frontend:
         self.backlog: list[tuple[ClientRequest, Generate]] = []
         """Requests that arrived before the first worker registered (no tokenizer yet)."""
         self.tokenizing: set[asyncio.Task[None]] = set()
+        self.grammars: asyncio.Future[GrammarCompiler] | None = None
+        """The structured-output compiler, made with the first request that needs it."""
         self.clients: dict[bytes, float] = {}
         """Connection -> when it was last heard from."""
         self.started = time.monotonic()
@@ -262,7 +267,8 @@ class Frontend:
         if self.core is None:
             self.backlog.append((request, msg))
             return
-        if msg.prompt is None or len(msg.prompt) <= INLINE_TOKENIZE_CHARS:
+        structured = msg.sampling.structured_outputs is not None
+        if not structured and (msg.prompt is None or len(msg.prompt) <= INLINE_TOKENIZE_CHARS):
             self._admit(request, msg, self._tokenize(msg))
             return
         task = asyncio.create_task(self._tokenize_off_loop(request, msg))
@@ -282,21 +288,68 @@ class Frontend:
         return encoding.ids
 
     async def _tokenize_off_loop(self, request: ClientRequest, msg: Generate) -> None:
+        """Tokenize on a thread (a long prompt), and compile the request's structured
+        output there: neither holds up the event loop or the other requests."""
+        constraint = None
         try:
             prompt = await asyncio.to_thread(self._tokenize, msg)
+            if msg.sampling.structured_outputs is not None:
+                constraint = await self._compile(msg.sampling.structured_outputs)
+        except RejectedError as exc:
+            if self.outputs.requests.get(request.request_id) is request:
+                self.outputs.requests.pop(request.request_id)
+                self._refuse(request.client, request.request_id, exc.code, exc.message)
+            return
         finally:
             malloc_trim()
         # Not aborted meanwhile (its RequestEnded may still wait for the output task).
         if self.outputs.requests.get(request.request_id) is request and not request.ending:
-            self._admit(request, msg, prompt)
+            self._admit(request, msg, prompt, constraint)
 
-    def _admit(self, request: ClientRequest, msg: Generate, prompt: list[int]) -> None:
+    async def _compile(self, spec: StructuredOutput) -> TokenConstraint:
+        """``spec``'s matcher, compiled on a thread; RejectedError (bad_request) naming
+        the problem, or the time limit when compiling takes longer."""
+        assert self.core is not None and self.outputs.tokenizer is not None
+        if self.grammars is None:  # its tokenizer takes ~0.5 s: built once, on a thread
+            tokenizer, core = self.outputs.tokenizer, self.core
+            self.grammars = asyncio.ensure_future(asyncio.to_thread(
+                GrammarCompiler, tokenizer, core.vocab_size or 0, sorted(core.eos_token_ids)
+            ))  # fmt: skip
+        limit = self.server.grammar_compile_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                compiler = await asyncio.shield(self.grammars)
+                return await asyncio.to_thread(compiler.compile, spec)
+        except InvalidRequestError as exc:
+            raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        except Exception as exc:  # the library itself failing: not the request's fault
+            if isinstance(exc, TimeoutError):
+                raise RejectedError(
+                    ErrorCode.BAD_REQUEST,
+                    f"structured_outputs: compiling its {spec.kind} took longer than "
+                    f"grammar_compile_timeout_s={limit:g}",
+                ) from None
+            log.exception("compiling a structured output failed")
+            raise RejectedError(
+                ErrorCode.INTERNAL, f"structured_outputs: the grammar compiler failed: {exc}"
+            ) from None
+
+    def _admit(
+        self,
+        request: ClientRequest,
+        msg: Generate,
+        prompt: list[int],
+        constraint: TokenConstraint | None = None,
+    ) -> None:
         assert self.core is not None
         rid = request.request_id
         client = fair_share_client(request.owner, msg.user)
         try:
             self._check_user_cap(client, msg.user)
-            self.core.add_request(rid, prompt, msg.sampling, priority=msg.priority, client=client)
+            self.core.add_request(
+                rid, prompt, msg.sampling, priority=msg.priority, client=client,
+                constraint=constraint,
+            )  # fmt: skip
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
             return self._refuse(request.client, rid, exc.code, exc.message)

@@ -11,6 +11,7 @@ import msgspec
 from msgspec.structs import force_setattr
 
 from shared.errors import InvalidRequestError
+from shared.structured_output import StructuredOutput
 
 __all__ = [
     "MAX_BAD_WORDS",
@@ -103,6 +104,11 @@ class SamplingParams(
     fills it from ``bad_words`` (strings) with the model's tokenizer."""
     include_stop_str_in_output: bool = False
     """Keep the stop string that ended the request at the end of its text."""
+    structured_outputs: StructuredOutput | None = None
+    """What every sample's text must match: a JSON schema, any JSON object, a regex,
+    one of a list of strings, or a grammar (:class:`~shared.structured_output.
+    StructuredOutput`; a mapping of its fields is taken too). The scheduler masks each
+    token that could not continue a match; a sample ends when the match is complete."""
 
     def __post_init__(self) -> None:
         max_tokens = _optional_int(self.max_tokens, "max_tokens", low=1)
@@ -135,6 +141,7 @@ class SamplingParams(
         self._store("logit_bias", _logit_bias(self.logit_bias))
         self._store("allowed_token_ids", _ids(self.allowed_token_ids, "allowed_token_ids"))
         self._store("bad_words_token_ids", _bad_words(self.bad_words_token_ids))
+        self._store("structured_outputs", _structured(self.structured_outputs))
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
                 _fail(name, "expected a boolean", getattr(self, name))
@@ -253,6 +260,21 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         _fail("logit_bias", "a token id given twice", value)
     out = tuple(sorted(checked.items()))
     return value if out == value else out  # type: ignore[return-value]
+
+
+def _structured(value: object) -> StructuredOutput | None:
+    if value is None or isinstance(value, StructuredOutput):
+        return value
+    if not isinstance(value, Mapping):
+        _fail("structured_outputs", "expected an object", value)
+    try:
+        return msgspec.convert(dict(value), StructuredOutput)
+    except msgspec.ValidationError as error:
+        if isinstance(error.__cause__, InvalidRequestError):
+            raise error.__cause__ from None
+        raise InvalidRequestError(
+            f"structured_outputs: {error}", field="structured_outputs"
+        ) from None
 
 
 def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:

@@ -182,6 +182,14 @@ class ServerConfig(ModelConfig, frozen=True):
             description="Longest text prompt in UTF-8 bytes (refused as bad_request beyond).",
         ),
     ] = 1024 * 1024
+    grammar_compile_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest a request's structured output (schema, regex, choices, "
+            "grammar) may take to compile; beyond, the request is refused as bad_request.",
+        ),
+    ] = 10.0
     curve_server_key: Annotated[
         str,
         Meta(

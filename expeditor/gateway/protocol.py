@@ -74,20 +74,13 @@ IGNORED: dict[str, str] = {
     "store": "OpenAI's stored completions: nothing is stored",
     "service_tier": "one tier here",
     "parallel_tool_calls": "tool calling is not supported; refused when tools are given",
+    "guided_decoding_backend": "one structured-output backend here (llguidance)",
 }
 """Fields accepted with no effect, and why (docs/deploy.md lists them). Any other field
 this server does not know is a 400 naming it."""
 
 REFUSED: dict[str, str] = {
-    "guided_json": "structured output is not supported",
-    "guided_regex": "structured output is not supported",
-    "guided_choice": "structured output is not supported",
-    "guided_grammar": "structured output is not supported",
-    "guided_decoding_backend": "structured output is not supported",
-    "guided_whitespace_pattern": "structured output is not supported",
-    "structured_outputs": "structured output is not supported",
-    "grammar": "grammars (llama.cpp's) are not supported",
-    "json_schema": "JSON schemas (llama.cpp's) are not supported",
+    "guided_whitespace_pattern": "JSON whitespace is not configurable here",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "typical_p": "typical sampling is not supported",
@@ -97,8 +90,15 @@ REFUSED: dict[str, str] = {
 implement: any value but null is a 400 naming the field."""
 
 
+_STRUCTURED_FORMS = ("structured_outputs", "guided_json", "json_schema", "response_format")
+"""The structured-output fields that hold JSON of any shape (schemas)."""
+
+
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share."""
+
+    FREE_FORM: ClassVar[tuple[str, ...]] = _STRUCTURED_FORMS
+    """Fields of any shape: their nesting is checked (:data:`MAX_JSON_DEPTH`)."""
 
     model: str | None = None
     n: Int = 1
@@ -132,16 +132,20 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     best_of: Int | None = None
     prompt_logprobs: Int | None = None
     """vLLM: the prompt tokens' logprobs, with this many top tokens per position."""
-    # known but not implemented: refused unless null (REFUSED says why)
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # structured output, in every form (one per request): vLLM's, its older guided_*
+    # fields, llama.cpp's; response_format is the endpoints' own
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     guided_decoding_backend: Any = None
+    grammar: str | None = None
+    """llama.cpp's: a GBNF grammar."""
+    json_schema: dict[str, Any] | None = None
+    """llama.cpp's: a JSON schema."""
+    # known but not implemented: refused unless null (REFUSED says why)
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
-    grammar: Any = None
-    json_schema: Any = None
     typical_p: Any = None
     reasoning_effort: Any = None
 
@@ -211,11 +215,42 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if encode is None:
                 raise GatewayRequestError("bad_words: not supported here", param="bad_words")
             fields["bad_words_token_ids"] = bad_words_token_ids(self.bad_words, encode)
+        structured = self._structured()
+        if structured is not None:
+            fields["structured_outputs"] = structured[1]
         try:
             return SamplingParams(**fields)
         except InvalidRequestError as exc:
             field = "bad_words" if exc.field == "bad_words_token_ids" else exc.field
+            if field == "structured_outputs" and structured is not None:
+                field = structured[0]  # the form the client used
+                message = str(exc).replace("structured_outputs", field, 1)
+                raise GatewayRequestError(message, param=field) from None
             raise GatewayRequestError(str(exc), param=field) from None
+
+    def _structured(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field given, its :class:`~shared.structured_output.StructuredOutput`
+        fields) of the one structured-output form the body uses, if any."""
+        forms: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            forms.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                          ("grammar", "grammar"), ("json_schema", "json")):  # fmt: skip
+            if getattr(self, name) is not None:
+                forms.append((name, {key: getattr(self, name)}))
+        response_format = getattr(self, "response_format", None)
+        if response_format is not None:
+            form = _response_format(response_format)
+            if form is not None:
+                forms.append(("response_format", form))
+        if len(forms) > 1:
+            names = ", ".join(name for name, _ in forms)
+            raise GatewayRequestError(
+                f"{forms[1][0]}: give one structured-output form, got {names}",
+                param=forms[1][0],
+            )
+        return forms[0] if forms else None
 
     @property
     def include_usage(self) -> bool:
@@ -224,6 +259,31 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as StructuredOutput fields (None for text)."""
+    if not isinstance(value, dict) or value.get("type") not in (
+        "text",
+        "json_object",
+        "json_schema",
+    ):
+        raise GatewayRequestError(
+            "response_format: expected {type: text | json_object | json_schema}",
+            param="response_format",
+        )
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise GatewayRequestError(
+            "response_format: json_schema needs {json_schema: {name, schema}}",
+            param="response_format",
+        )
+    return {"json": spec.get("schema", {})}
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -235,7 +295,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    response_format: Any = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def zero_tokens(self) -> bool:
@@ -271,10 +331,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     def check(self, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
         if self.suffix:
             raise GatewayRequestError("suffix: not supported by this server", param="suffix")
-        if self.response_format is not None:
-            raise GatewayRequestError(
-                "response_format: structured output is not supported", param="response_format"
-            )
         params = self.sampling(self.max_tokens, self.logprobs, encode)
         if self.echo_logprobs:  # the echoed prompt's logprobs: the prompt's
             wanted = max(self.logprobs or 0, self.prompt_logprobs or 0)
@@ -310,7 +366,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         "chat_template_kwargs",
         "tools",
         "tool_choice",
-        "response_format",
+        *_STRUCTURED_FORMS,
     )
     """Fields of any shape: their nesting is checked (:data:`MAX_JSON_DEPTH`)."""
 
@@ -332,11 +388,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if self.tool_choice not in (None, "none", "auto"):
             raise GatewayRequestError(
                 "tool_choice: tool calling is not supported", param="tool_choice"
-            )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise GatewayRequestError(
-                "response_format: structured output is not supported (only type text)",
-                param="response_format",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise GatewayRequestError(

@@ -11,6 +11,8 @@ step in flight samples).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ipc.schema import ErrorCode, SeqStatus
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
@@ -21,6 +23,29 @@ QueueKey = tuple[float, int, int] | tuple[float, int, int, int]
 """``(priority term, arrival number, sample index)``, or with fair share ``(priority
 term, round, arrival number, sample index)``; one scheduler uses one shape only. See
 ``policies``."""
+
+
+class TokenConstraint(Protocol):
+    """A sample's structured-output matcher (``scheduler_svc/structured_output.py``):
+    the core asks it for the mask of each token the sample draws and hands it each token
+    it gets."""
+
+    def mask(self) -> bytes:
+        """Allowed next tokens: bit ``t % 32`` of little-endian int32 word ``t // 32``."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False when it could not continue the match."""
+        ...
+
+    def fork(self) -> TokenConstraint:
+        """A copy in the same state, for a forked sample."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """The match is complete: nothing may follow."""
+        ...
 
 
 class RejectedError(Exception):
@@ -41,6 +66,7 @@ class Request:
         "arrival_seq",
         "arrival_step",
         "client",
+        "constraint",
         "fair_round",
         "finish_reason",
         "first_scheduled_step",
@@ -69,6 +95,7 @@ class Request:
         client: str = "",
         eos_token_ids: frozenset[int] = _NO_STOP_IDS,
         max_model_len: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -81,6 +108,8 @@ class Request:
         """Who submitted it ("" = the one anonymous client); see ``FairShareRounds``."""
         self.fair_round = 0
         """Its fair-share round, set once by the scheduler at submission."""
+        self.constraint = constraint
+        """Sample 0's structured-output matcher (``params.structured_outputs``)."""
         self.seqs: list[Sequence] = []
         self.num_unfinished = params.n
         self.num_failed_steps = 0
@@ -118,6 +147,7 @@ class _SequenceHotFields:
 
     __slots__ = (
         "block_table",
+        "constraint",
         "max_num_tokens",
         "num_computed_tokens",
         "num_placeholders",
@@ -181,6 +211,9 @@ class Sequence(_SequenceHotFields):
         """Tokens that end it past ``min_tokens`` outputs (EOS unless ignored, stop ids)."""
         self.max_num_tokens = request.max_num_tokens
         """Its length limit: prompt + max output tokens, at most max_model_len."""
+        self.constraint: TokenConstraint | None = request.constraint if not sample_index else None
+        """Its structured-output matcher, at its output so far (a fork's is copied from
+        its parent's); it masks each token the sample draws."""
 
     @property
     def num_tokens(self) -> int:

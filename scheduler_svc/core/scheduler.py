@@ -50,7 +50,13 @@ from scheduler_svc.core.policies import (
     make_queue_order,
 )
 from scheduler_svc.core.queues import SeqQueue
-from scheduler_svc.core.request import QueueKey, RejectedError, Request, Sequence
+from scheduler_svc.core.request import (
+    QueueKey,
+    RejectedError,
+    Request,
+    Sequence,
+    TokenConstraint,
+)
 from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
@@ -135,17 +141,26 @@ class Scheduler(SequenceEnding):
         *,
         priority: int = 0,
         client: str = "",
+        constraint: TokenConstraint | None = None,
     ) -> Request:
         """Queue a request, or raise :class:`RejectedError` saying why it never could run.
 
         ``client`` names who submitted it; with ``fair_share`` clients at equal priority
         are admitted round-robin. "" is one anonymous client (the in-process engine).
+        ``constraint``: the matcher of ``params.structured_outputs``, compiled by the
+        caller (required with them).
         """
         try:
+            if (params.structured_outputs is None) != (constraint is None):
+                raise RejectedError(
+                    ErrorCode.BAD_REQUEST,
+                    "structured_outputs: a constraint goes with them and only with them",
+                )
             request = self._validate(request_id, prompt_token_ids, params, priority, client)
         except RejectedError:
             self.finished_counts["rejected"] += 1
             raise
+        request.constraint = constraint
         seq = Sequence(request, 0, list(prompt_token_ids), self.order.key(request, 0))
         seq.pending_forks = params.n - 1
         request.seqs.append(seq)
@@ -348,9 +363,12 @@ class Scheduler(SequenceEnding):
 
     def _result_needed(self, seq: Sequence) -> bool:
         """Whether ``seq``, with tokens in flight, must wait for them before it is planned
-        again: it forks when they are back, or reaches its length limit with them."""
-        return bool(seq.pending_forks) or (
-            len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
+        again: it forks when they are back, reaches its length limit with them, or is
+        constrained (its next mask follows from them)."""
+        return (
+            bool(seq.pending_forks)
+            or len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
+            or seq.constraint is not None
         )
 
     def _decode_at_block_edge(self, seq: Sequence, slot: int, step: InflightStep) -> bool:
@@ -481,7 +499,13 @@ class Scheduler(SequenceEnding):
                 continue
             seq_id = seq.seq_id
             tokens = sampled.get(seq_id)
-            if tokens and len(tokens) == 1 and plain and not seq.pending_forks:
+            if (
+                tokens
+                and len(tokens) == 1
+                and plain
+                and seq.constraint is None
+                and not seq.pending_forks
+            ):
                 # One token, nothing to fork, no logprobs: _append_token inlined (a call
                 # per token is 6% of the core's time per generated token); keep them alike.
                 token = tokens[0]
@@ -523,6 +547,8 @@ class Scheduler(SequenceEnding):
             self.order.key(request, sample_index),
         )
         self.kv.fork(parent, child)
+        if parent.constraint is not None:  # before the parent takes its own token
+            child.constraint = parent.constraint.fork()
         child.status = SeqStatus.RUNNING
         child.num_preemptions = parent.num_preemptions
         request.seqs.append(child)
@@ -537,6 +563,12 @@ class Scheduler(SequenceEnding):
         token_ids.append(token)
         output.advanced.append(seq)
         output.new_tokens.append(token)
+        constraint = seq.constraint
+        if constraint is not None and (not constraint.accept(token) or constraint.done):
+            # The match is complete (or, with a token the mask did not allow, cannot go
+            # on): nothing may follow.
+            self._finish(seq, FinishReason.STOP, output)
+            return
         # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
         # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.
         if (

@@ -183,6 +183,11 @@ class InflightStep:
             swap_in=self.swap_in,
             copies=self.copies,
             num_samples=self.num_samples,
+            token_masks={
+                seq.seq_id: seq.constraint.mask()
+                for seq in self.sampling
+                if seq.constraint is not None
+            },
         )
         self.output = StepOutput(plan, self.preempted, self.swapped_in, self.prefix_hit_tokens)
         return plan

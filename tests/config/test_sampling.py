@@ -134,6 +134,12 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("prompt_logprobs", -1),
     ("prompt_logprobs", 21),
     ("prompt_logprobs", 1.0),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]}),
+    ("structured_outputs", {"choice": []}),
+    ("structured_outputs", {"choice": [""]}),
+    ("structured_outputs", {"grammar": "x" * (256 * 1024 + 1)}),
+    ("structured_outputs", {"schema": {}}),
+    ("structured_outputs", "a+"),
 ]
 
 
