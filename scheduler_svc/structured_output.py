@@ -31,6 +31,12 @@ from shared.structured_output import FIELD, StructuredOutput
 
 __all__ = ["Constraint", "GrammarCompiler"]
 
+_BOUNDED_WHITESPACE: dict[str, object] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
+"""JSON whitespace between tokens: at most 24 characters in a row (room to indent a
+deeply nested object; unbounded, a small model can emit newlines until max_tokens)."""
+_COMPACT: dict[str, object] = {"whitespace_flexible": False}
+"""``disable_any_whitespace``: none at all."""
+
 _FORMATS = {"regex": "regex", "choice": "choice", "grammar": "grammar"}
 """Our kinds -> llguidance's grammar formats (``grammar``: Lark, or GBNF converted);
 JSON schemas go through its JSON compiler."""
@@ -103,7 +109,7 @@ class GrammarCompiler:
                 return Constraint(prototype.deep_copy(), self.words)
         try:
             if spec.kind in ("json", "json_object"):
-                options = {"whitespace_flexible": False} if spec.disable_any_whitespace else None
+                options = _COMPACT if spec.disable_any_whitespace else _BOUNDED_WHITESPACE
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(key[1], overrides=options)
             else:
                 grammar = llguidance.grammar_from(_FORMATS[spec.kind], key[1])  # type: ignore[arg-type]

@@ -38,7 +38,8 @@ class StructuredOutput(
     json_object: bool = False
     """Any JSON object."""
     disable_any_whitespace: bool = False
-    """JSON without whitespace between tokens (vLLM's option; default: any is allowed)."""
+    """JSON without whitespace between tokens (vLLM's option; default: runs of up to 24
+    whitespace characters)."""
 
     def __post_init__(self) -> None:
         given = [
