@@ -296,7 +296,7 @@ class Frontend:
             if msg.sampling.structured_outputs is not None:
                 constraint = await self._compile(msg.sampling.structured_outputs)
         except RejectedError as exc:
-            if self.outputs.requests.get(request.request_id) is request:
+            if self.outputs.requests.get(request.request_id) is request and not request.ending:
                 self.outputs.requests.pop(request.request_id)
                 self._refuse(request.client, request.request_id, exc.code, exc.message)
             return
