@@ -7,6 +7,12 @@ objects, arrays with item bounds, enums, bounded numbers, required fields,
 validate against its schema (``jsonschema``); one that finished with ``length`` must
 have used all its ``max_tokens``. Prints the counts (and exits 1 on any failure).
 
+Then, with ``--abuse-rounds`` N: the time to first token of a plain streamed request,
+N times alone and N times while ``--flooders`` clients flood the server with bad
+constraints (200 KiB schemas with
+an unknown type, unbalanced regexes, undefined grammar rules: each a 400), interleaved;
+the medians and their ratio.
+
     .venv/bin/python benchmarks/structured_check.py [--requests 200] [--concurrency 32]
 """
 
@@ -15,6 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import multiprocessing.synchronize
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,16 +79,84 @@ async def run(url: str, family: list[dict], concurrency: int, max_tokens: int) -
     return {"counts": counts, "problems": problems[:10]}
 
 
+BAD = [
+    {"guided_json": {"type": "object", "properties": {"a": {"type": "strng"}},
+                     "description": "x" * 200_000}},
+    {"guided_regex": "a(b" * 1000},
+    {"guided_grammar": "root ::= " + " ".join(f"r{i}" for i in range(2000))},
+]  # fmt: skip
+"""Constraints the server refuses (400): a big schema with an unknown type, an
+unbalanced regex, a grammar of undefined rules."""
+
+
+def flood(
+    url: str, stop: multiprocessing.synchronize.Event, refused: multiprocessing.Value
+) -> None:
+    """A process sending :data:`BAD` requests one after another until ``stop``."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Name a fruit."}]
+    while not stop.is_set():
+        for extra in BAD:
+            try:
+                client.chat.completions.create(
+                    model=NAME, messages=ask, max_tokens=4, extra_body=extra
+                )
+            except openai.BadRequestError:
+                with refused.get_lock():
+                    refused.value += 1
+
+
+def abuse(url: str, rounds: int, flooders: int) -> dict:
+    """Plain TTFT alone and with ``flooders`` processes of bad requests, interleaved
+    (the flood runs in other processes, so the measuring client is not slowed)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Name a fruit."}]
+
+    def ttft() -> float:
+        start = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=NAME, messages=ask, max_tokens=4, temperature=0, stream=True
+        )
+        elapsed = 0.0
+        for chunk in stream:
+            if not elapsed and chunk.choices and chunk.choices[0].delta.content:
+                elapsed = time.perf_counter() - start
+        return elapsed
+
+    alone: list[float] = []
+    flooded: list[float] = []
+    refused = multiprocessing.Value("i", 0)
+    for _ in range(rounds):
+        alone.append(ttft())
+        stop = multiprocessing.Event()
+        procs = [multiprocessing.Process(target=flood, args=(url, stop, refused))
+                 for _ in range(flooders)]  # fmt: skip
+        for proc in procs:
+            proc.start()
+        time.sleep(1.0)
+        flooded.append(ttft())
+        stop.set()
+        for proc in procs:
+            proc.join()
+    a, f = statistics.median(alone), statistics.median(flooded)
+    return {"alone_s": round(a, 3), "flooded_s": round(f, 3), "ratio": round(f / a, 2),
+            "bad_requests_refused": refused.value, "flooders": flooders}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--abuse-rounds", type=int, default=0)
+    parser.add_argument("--flooders", type=int, default=2, help="clients sending bad ones")
     args = parser.parse_args()
     family = schemas(seed=args.seed, count=args.requests)
     with running_http_serve(Path(NAME), "--max-num-seqs", "64", timeout_s=300) as (_, url, _):
         result = asyncio.run(run(url, family, args.concurrency, args.max_tokens))
+        if args.abuse_rounds:
+            result["ttft"] = abuse(url, args.abuse_rounds, args.flooders)
     print(json.dumps(result, indent=1))
     counts = result["counts"]
     sys.exit(1 if counts["invalid"] or counts["failed"] else 0)

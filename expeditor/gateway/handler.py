@@ -94,19 +94,22 @@ class Handler:
     def _request_id(self, index: int) -> str:
         return f"{self.response_id}-{index}"
 
+    def _request_args(self, index: int) -> dict[str, Any]:
+        """The client call's arguments for prompt ``index`` but its text."""
+        return {
+            "prompt_token_ids": self.prompts[index][1],
+            "request_id": self._request_id(index),
+            "priority": self.body.priority,
+            "sampling": self.params,
+            "timeout": None,
+            "user": self.user,
+        }
+
     async def _generate(self, index: int) -> ClientCompletion:
-        text, token_ids = self.prompts[index]
+        text = self.prompts[index][0]
         if self.body.zero_tokens and self.params.prompt_logprobs is None:
             return self._nothing_to_generate(index, await self._prompt_ids(index))
-        done = await self.client.generate(
-            text,
-            prompt_token_ids=token_ids,
-            request_id=self._request_id(index),
-            priority=self.body.priority,
-            sampling=self.params,
-            timeout=None,
-            user=self.user,
-        )
+        done = await self.client.generate(text, **self._request_args(index))
         if done.prompt_logprobs is not None:
             self.prompt_ids[index] = done.prompt_token_ids
             self.prompt_lps[index] = done.prompt_logprobs
@@ -201,7 +204,7 @@ class Handler:
         )
 
     async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
-        text, token_ids = self.prompts[index]
+        text = self.prompts[index][0]
         if self.body.zero_tokens:
             done = await self._generate(index)
             self.prompt_tokens[index] = done.usage.prompt_tokens
@@ -218,15 +221,7 @@ class Handler:
                     ),
                 )
             return
-        stream = self.client.stream(
-            text,
-            prompt_token_ids=token_ids,
-            request_id=self._request_id(index),
-            priority=self.body.priority,
-            sampling=self.params,
-            timeout=None,
-            user=self.user,
-        )
+        stream = self.client.stream(text, **self._request_args(index))
         async with stream:  # leaving early (disconnect, error) aborts the request
             async for delta in stream:
                 if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
