@@ -161,9 +161,7 @@ class LLM:
         constraint = None
         if params.structured_outputs is not None:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.scheduler.vocab_size or 0, self.runner.eos_token_ids
-                )
+                self._grammars = GrammarCompiler.for_scheduler(self.tokenizer, self.scheduler)
             try:
                 constraint = self._grammars.compile(params.structured_outputs)
             except InvalidRequestError as exc:

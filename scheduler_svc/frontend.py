@@ -311,10 +311,9 @@ class Frontend:
         the problem, or the time limit when compiling takes longer."""
         assert self.core is not None and self.outputs.tokenizer is not None
         if self.grammars is None:  # its tokenizer takes ~0.5 s: built once, on a thread
-            tokenizer, core = self.outputs.tokenizer, self.core
-            self.grammars = asyncio.ensure_future(asyncio.to_thread(
-                GrammarCompiler, tokenizer, core.vocab_size or 0, sorted(core.eos_token_ids)
-            ))  # fmt: skip
+            self.grammars = asyncio.ensure_future(
+                asyncio.to_thread(GrammarCompiler.for_scheduler, self.outputs.tokenizer, self.core)
+            )
         limit = self.server.grammar_compile_timeout_s
         try:
             async with asyncio.timeout(limit):
@@ -322,13 +321,13 @@ class Frontend:
                 return await asyncio.to_thread(compiler.compile, spec)
         except InvalidRequestError as exc:
             raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        except TimeoutError:
+            raise RejectedError(
+                ErrorCode.BAD_REQUEST,
+                f"structured_outputs: compiling its {spec.kind} took longer than "
+                f"grammar_compile_timeout_s={limit:g}",
+            ) from None
         except Exception as exc:  # the library itself failing: not the request's fault
-            if isinstance(exc, TimeoutError):
-                raise RejectedError(
-                    ErrorCode.BAD_REQUEST,
-                    f"structured_outputs: compiling its {spec.kind} took longer than "
-                    f"grammar_compile_timeout_s={limit:g}",
-                ) from None
             log.exception("compiling a structured output failed")
             raise RejectedError(
                 ErrorCode.INTERNAL, f"structured_outputs: the grammar compiler failed: {exc}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -28,6 +29,9 @@ from tokenizers import Tokenizer
 
 from shared.errors import InvalidRequestError
 from shared.structured_output import FIELD, StructuredOutput
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.scheduler import Scheduler
 
 __all__ = ["Constraint", "GrammarCompiler"]
 
@@ -72,10 +76,6 @@ class Constraint:
         """The match is complete and nothing may follow (or the matcher is in error)."""
         return bool(self.matcher.is_stopped() or self.matcher.is_error())
 
-    @property
-    def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
-
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; a cache of the last ``cache_size``
@@ -98,6 +98,11 @@ class GrammarCompiler:
         self.lock = threading.Lock()
         """Compiles run on threads (the daemon's), the cache is shared."""
 
+    @classmethod
+    def for_scheduler(cls, tokenizer: Tokenizer, scheduler: Scheduler) -> GrammarCompiler:
+        """The compiler for the model ``scheduler`` serves: its vocabulary and EOS ids."""
+        return cls(tokenizer, scheduler.vocab_size or 0, sorted(scheduler.eos_token_ids))
+
     def compile(self, spec: StructuredOutput) -> Constraint:
         """A fresh matcher for ``spec``; :class:`InvalidRequestError` naming
         ``structured_outputs`` and the problem when the library cannot take it."""
@@ -115,9 +120,6 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(_FORMATS[spec.kind], key[1])  # type: ignore[arg-type]
         except ValueError as exc:
             raise InvalidRequestError(f"{FIELD}: {spec.kind}: {exc}", field=FIELD) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.llg_tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"{FIELD}: {spec.kind}: {_first_line(error)}", field=FIELD)
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             message = _first_line(matcher.get_error())

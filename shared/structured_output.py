@@ -85,8 +85,7 @@ class StructuredOutput(
             return msgspec.json.encode(list(self.choice)).decode()
         if self.json_object:
             return '{"type": "object"}'
-        value = self.json if self.json is not None else (self.regex or self.grammar or "")
-        return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+        return str(self.json if self.json is not None else (self.regex or self.grammar or ""))
 
 
 def _fail(message: str) -> None:

@@ -36,6 +36,7 @@ class SequenceEnding:
     inflight: deque[InflightStep]
     finished_counts: dict[str, int]
     _running_forks: int
+    num_constrained: int
     _freed_seq_ids: list[str]
     _reset_workers: bool
 
@@ -74,6 +75,8 @@ class SequenceEnding:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
+        if seq.constraint is not None:
+            self.num_constrained -= 1
         request = seq.request
         # Samples not forked yet will never be: they end with their parent.
         unforked, seq.pending_forks = seq.pending_forks, 0

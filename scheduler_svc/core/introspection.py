@@ -24,6 +24,9 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
         ("waiting", list(scheduler.waiting), SeqStatus.WAITING),
         ("swapped", list(scheduler.swapped), SeqStatus.SWAPPED),
     )
+    constrained = sum(seq.constraint is not None for seq in scheduler.seqs.values())
+    if constrained != scheduler.num_constrained:
+        problems.append(f"{constrained} constrained sequences, counted {scheduler.num_constrained}")
     for name, seqs, status in groups:
         for seq in seqs:
             if seq.seq_id in in_queues:

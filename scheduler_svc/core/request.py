@@ -66,7 +66,6 @@ class Request:
         "arrival_seq",
         "arrival_step",
         "client",
-        "constraint",
         "fair_round",
         "finish_reason",
         "first_scheduled_step",
@@ -95,7 +94,6 @@ class Request:
         client: str = "",
         eos_token_ids: frozenset[int] = _NO_STOP_IDS,
         max_model_len: int | None = None,
-        constraint: TokenConstraint | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -108,8 +106,6 @@ class Request:
         """Who submitted it ("" = the one anonymous client); see ``FairShareRounds``."""
         self.fair_round = 0
         """Its fair-share round, set once by the scheduler at submission."""
-        self.constraint = constraint
-        """Sample 0's structured-output matcher (``params.structured_outputs``)."""
         self.seqs: list[Sequence] = []
         self.num_unfinished = params.n
         self.num_failed_steps = 0
@@ -211,9 +207,9 @@ class Sequence(_SequenceHotFields):
         """Tokens that end it past ``min_tokens`` outputs (EOS unless ignored, stop ids)."""
         self.max_num_tokens = request.max_num_tokens
         """Its length limit: prompt + max output tokens, at most max_model_len."""
-        self.constraint: TokenConstraint | None = request.constraint if not sample_index else None
-        """Its structured-output matcher, at its output so far (a fork's is copied from
-        its parent's); it masks each token the sample draws."""
+        self.constraint: TokenConstraint | None = None
+        """Its structured-output matcher, at its output so far (sample 0's is given with
+        the request, a fork's copied from its parent's); it masks each token it draws."""
 
     @property
     def num_tokens(self) -> int:

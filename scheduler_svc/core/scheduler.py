@@ -110,6 +110,8 @@ class Scheduler(SequenceEnding):
         """Unfinished requests by id."""
         self.seqs: dict[str, Sequence] = {}
         """Unfinished sequences by id."""
+        self.num_constrained = 0
+        """Of them, those with a structured-output matcher (none: no plan looks for masks)."""
         self.seq_ids_taken: set[str] = set()
         """Every sequence id of an unfinished request, forked or still to fork: a new
         request may take none of them."""
@@ -160,8 +162,10 @@ class Scheduler(SequenceEnding):
         except RejectedError:
             self.finished_counts["rejected"] += 1
             raise
-        request.constraint = constraint
         seq = Sequence(request, 0, list(prompt_token_ids), self.order.key(request, 0))
+        if constraint is not None:
+            seq.constraint = constraint
+            self.num_constrained += 1
         seq.pending_forks = params.n - 1
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -353,7 +357,9 @@ class Scheduler(SequenceEnding):
             num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
         ):
             return None  # nothing for the workers until a result is back
-        plan = step.plan(self._freed_seq_ids, reset=self._reset_workers)
+        plan = step.plan(
+            self._freed_seq_ids, reset=self._reset_workers, masks=self.num_constrained > 0
+        )
         self._freed_seq_ids = []
         self._reset_workers = False
         self.inflight.append(step)
@@ -549,6 +555,7 @@ class Scheduler(SequenceEnding):
         self.kv.fork(parent, child)
         if parent.constraint is not None:  # before the parent takes its own token
             child.constraint = parent.constraint.fork()
+            self.num_constrained += 1
         child.status = SeqStatus.RUNNING
         child.num_preemptions = parent.num_preemptions
         request.seqs.append(child)

@@ -170,8 +170,9 @@ class InflightStep:
             if seq.pending_forks:
                 self.num_samples[seq_id] = 1 + seq.pending_forks
 
-    def plan(self, freed_seq_ids: list[str], *, reset: bool) -> BatchPlan:
-        """The plan of what was added; makes the step's :attr:`output`."""
+    def plan(self, freed_seq_ids: list[str], *, reset: bool, masks: bool = False) -> BatchPlan:
+        """The plan of what was added; makes the step's :attr:`output`. ``masks``: some
+        sequences are constrained (the sampling ones' masks are then looked for)."""
         plan = BatchPlan(
             step=self.step,
             num_scheduled_tokens=self.num_scheduled,
@@ -187,7 +188,9 @@ class InflightStep:
                 seq.seq_id: seq.constraint.mask()
                 for seq in self.sampling
                 if seq.constraint is not None
-            },
+            }
+            if masks
+            else {},
         )
         self.output = StepOutput(plan, self.preempted, self.swapped_in, self.prefix_hit_tokens)
         return plan
