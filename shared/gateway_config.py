@@ -12,12 +12,14 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta
 
 from shared.config_fields import Settings, load_settings, settings_to_toml
 from shared.errors import ConfigError
+
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "none"]
 
 __all__ = ["GatewayConfig", "is_loopback", "load_gateway_config", "parse_http_address"]
 
@@ -72,6 +74,16 @@ class GatewayConfig(Settings, frozen=True):
             "checkpoint's own (tokenizer_config.json or chat_template.jinja)."
         ),
     ] = ""
+    tool_call_parser: Annotated[
+        ToolCallParser,
+        Meta(
+            description="How the model writes tool calls, read from chat outputs when "
+            "a request gives tools (tool_choice auto) and enforced by a grammar for "
+            "tool_choice required or a named function: hermes (<tool_call> blocks: "
+            "Hermes, Qwen, most ChatML templates), llama3_json (Llama 3.1+), mistral "
+            "([TOOL_CALLS]); none = tools are refused but with tool_choice none."
+        ),
+    ] = "hermes"
     max_body_bytes: Annotated[
         int,
         Meta(ge=1024, description="Largest request body; bigger ones get 413."),

@@ -345,6 +345,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                     max_bytes=gateway.max_prompt_bytes,
                     timeout_s=gateway.config.render_timeout_s,
                     add_generation_prompt=body.add_generation_prompt,
+                    tools=body.tools,
                 )
                 tokens = await gateway.encode(model, text, special=False, field="messages")
             else:

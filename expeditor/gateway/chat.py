@@ -107,10 +107,12 @@ class ChatTemplate:
         extra: dict[str, Any] | None = None,
         max_bytes: int | None = None,
         timeout_s: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text; a bad message or a template error is a 400, and so is a
         prompt over ``max_bytes`` (checked as it grows) or a render still going after
-        ``timeout_s``."""
+        ``timeout_s``. ``tools`` reach the template as transformers passes them (None
+        when the request has none)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         checked = [_check_message(index, m) for index, m in enumerate(messages)]
         if continue_final_message and add_generation_prompt:
@@ -124,7 +126,10 @@ class ChatTemplate:
         size = 0
         try:
             for piece in self._template.generate(
-                messages=checked, add_generation_prompt=add_generation_prompt, **context
+                messages=checked,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **context,
             ):
                 pieces.append(piece)
                 size += len(piece)  # characters: at most the UTF-8 bytes
@@ -193,8 +198,9 @@ async def render_messages(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     extra: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt of a request's ``messages``, within the limits: at most
+    """The prompt of a request's ``messages`` (and ``tools``), within the limits: at most
     ``max_messages`` (checked first), ``max_bytes`` of prompt, ``timeout_s`` of
     rendering, which runs on a thread unless the conversation is short."""
     if len(messages) > max_messages:
@@ -212,6 +218,7 @@ async def render_messages(
             extra=extra,
             max_bytes=max_bytes,
             timeout_s=timeout_s,
+            tools=tools,
         )
 
     if len(messages) <= INLINE_RENDER_MESSAGES:

@@ -7,6 +7,7 @@ logprobs object; chat: the rendered conversation, the assistant's opening chunk)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from expeditor.gateway.chat import render_messages
@@ -26,8 +27,12 @@ from expeditor.gateway.responses import (
     join_logprobs,
     sse,
 )
+from expeditor.gateway.tool_parsers import ToolCallDelta, ToolCallReader
+from expeditor.gateway.tools import ToolPlan, call_id, plan_tools, tool_call_body
+from ipc.async_client import ClientCompletion
+from ipc.errors import ServerError
 from ipc.schema import Delta
-from shared.outputs import CompletionSample
+from shared.outputs import CompletionSample, FinishReason
 
 __all__ = ["ChatHandler", "CompletionHandler"]
 
@@ -157,10 +162,19 @@ class ChatHandler(Handler):
 
     async def prepare(self) -> None:
         body = self.body
-        self.params = body.check(self.model.encode_text)
         config = self.gateway.config
+        self.tool_plan: ToolPlan | None = plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, config.tool_call_parser
+        )
+        plan = self.tool_plan
+        grammar = plan.grammar() if plan is not None and plan.forced else None
+        self.params = body.check(self.model.encode_text, grammar)
         n = self.params.n
         check_batch(1, n, config)
+        reads_calls = plan is not None and plan.reads_calls
+        self.readers = [ToolCallReader(plan.format) for _ in range(n)] if reads_calls else []  # type: ignore[arg-type]
+        """Per choice, with tools: its output read for calls as it streams."""
+        self.call_ids: dict[tuple[int, int], str] = {}
         text = await render_messages(
             self.model.template(),
             body.messages,
@@ -170,6 +184,7 @@ class ChatHandler(Handler):
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             extra=body.chat_template_kwargs,
+            tools=body.tools,
         )
         token_ids = await self.gateway.encode(self.model, text, special=False, field="messages")
         if not token_ids:
@@ -212,33 +227,110 @@ class ChatHandler(Handler):
             return {}
         return {"prompt_logprobs": self._prompt_logprobs(0)}
 
+    async def _generate(self, index: int) -> ClientCompletion:
+        try:
+            return await super()._generate(index)
+        except ServerError as exc:
+            raise self._tool_error(exc) from None
+
+    async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
+        try:
+            async for item in super()._one_stream(index):
+                yield item
+        except ServerError as exc:
+            raise self._tool_error(exc) from None
+
+    def _tool_error(self, exc: ServerError) -> Exception:
+        """A forced call's grammar the scheduler refused: a 400 naming the tools."""
+        plan = self.tool_plan
+        prefix = "structured_outputs: grammar: "
+        if plan is None or not plan.forced or not exc.message.startswith(prefix):
+            return exc
+        return GatewayRequestError(
+            "tools: a tool's parameters cannot be enforced as a JSON schema: "
+            + exc.message[len(prefix) :],
+            param="tools",
+        )
+
+    def _finish_reason(self, reason: FinishReason, has_calls: bool) -> str:
+        if has_calls and reason == FinishReason.STOP:
+            return "tool_calls"
+        return str(reason)
+
     def _choice(self, index: int, prompt_index: int, sample: CompletionSample) -> dict[str, Any]:
         logprobs = sample.logprobs
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        reason = str(sample.finish_reason)
+        if self.readers:
+            assert self.tool_plan is not None
+            reader = ToolCallReader(self.tool_plan.format)  # type: ignore[arg-type]
+            reader.feed(sample.text)
+            content, calls = reader.parsed()
+            calls = self.tool_plan.keep(calls)
+            message = {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": [tool_call_body(call, call_id()) for call in calls],
+            }
+            reason = self._finish_reason(sample.finish_reason, bool(calls))
         return {
             "index": index,
-            "message": {"role": "assistant", "content": sample.text},
+            "message": message,
             "logprobs": None
             if logprobs is None
             else chat_logprobs(sample.token_ids, logprobs, self.token_text, self.top_n),
-            "finish_reason": str(sample.finish_reason),
+            "finish_reason": reason,
             "stop_reason": sample.stop_reason,
+        }
+
+    def _read_calls(self, index: int, delta: Delta) -> tuple[str, list[dict[str, Any]]]:
+        """Streaming with tools: the delta's content and ``delta.tool_calls`` entries."""
+        reader = self.readers[index]
+        content, calls = reader.feed(delta.text, final=delta.finish_reason is not None)
+        return content, [self._call_delta(index, call) for call in self._kept(calls)]
+
+    def _kept(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        assert self.tool_plan is not None
+        return calls if self.tool_plan.parallel else [c for c in calls if c.index == 0]
+
+    def _call_delta(self, choice: int, call: ToolCallDelta) -> dict[str, Any]:
+        if call.name is None:
+            return {"index": call.index, "function": {"arguments": call.arguments}}
+        identifier = self.call_ids.setdefault((choice, call.index), call_id())
+        return {
+            "index": call.index,
+            "id": identifier,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
         }
 
     def _delta_chunk(self, index: int, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
         first = self.prompt_logprobs_pending
+        content, calls = self._read_calls(index, delta) if self.readers else (delta.text, [])
         if not (
-            first or delta.text or delta.finish_reason is not None or delta.logprobs is not None
+            first
+            or content
+            or calls
+            or delta.finish_reason is not None
+            or delta.logprobs is not None
         ):
             return None
         self.prompt_logprobs_pending = False
         logprobs = None
         if delta.logprobs is not None:
             logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.token_text, self.top_n)
+        body: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            body["tool_calls"] = calls
+        reason = None
+        if delta.finish_reason is not None:
+            has_calls = any(key[0] == index for key in self.call_ids)
+            reason = self._finish_reason(delta.finish_reason, has_calls)
         choice = {
             "index": index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": body,
             "logprobs": logprobs,
-            "finish_reason": None if delta.finish_reason is None else str(delta.finish_reason),
+            "finish_reason": reason,
             "stop_reason": delta.stop_reason,
         }
         if first:

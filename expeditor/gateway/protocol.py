@@ -6,8 +6,8 @@ Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``,
 ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``priority``:
 lower is served first). No field is dropped silently: a field this server does not know
 is a 400 naming it, those of :data:`IGNORED` are accepted with no effect (each with its
-reason), and known features it does not implement (:data:`REFUSED`, ``suffix``, tools,
-structured output) are a 400 naming the field.
+reason), and known features it does not implement (:data:`REFUSED`, ``suffix``) are a
+400 naming the field.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ IGNORED: dict[str, str] = {
     "metadata": "OpenAI's stored-completion tags: nothing is stored",
     "store": "OpenAI's stored completions: nothing is stored",
     "service_tier": "one tier here",
-    "parallel_tool_calls": "tool calling is not supported; refused when tools are given",
     "guided_decoding_backend": "one structured-output backend here (llguidance)",
 }
 """Fields accepted with no effect, and why (docs/deploy.md lists them). Any other field
@@ -81,8 +80,8 @@ this server does not know is a 400 naming it."""
 
 REFUSED: dict[str, str] = {
     "guided_whitespace_pattern": "JSON whitespace is not configurable here",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "OpenAI's deprecated function calling; give tools instead",
+    "function_call": "OpenAI's deprecated function calling; give tool_choice instead",
     "typical_p": "typical sampling is not supported",
     "reasoning_effort": "this model does not reason on request",
 }
@@ -174,6 +173,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_tokens: int | None,
         logprobs: int | None,
         encode: Callable[[str], list[int]] | None = None,
+        tool_grammar: str | None = None,
     ) -> SamplingParams:
         """The scheduler's SamplingParams; its validation errors name the field.
 
@@ -215,7 +215,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if encode is None:
                 raise GatewayRequestError("bad_words: not supported here", param="bad_words")
             fields["bad_words_token_ids"] = bad_words_token_ids(self.bad_words, encode)
-        structured = self._structured()
+        structured = self._structured(tool_grammar)
         if structured is not None:
             fields["structured_outputs"] = structured[1]
         try:
@@ -228,7 +228,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise GatewayRequestError(message, param=field) from None
             raise GatewayRequestError(str(exc), param=field) from None
 
-    def _structured(self) -> tuple[str, dict[str, Any]] | None:
+    def _structured(self, tool_grammar: str | None) -> tuple[str, dict[str, Any]] | None:
         """(the field given, its :class:`~shared.structured_output.StructuredOutput`
         fields) of the one structured-output form the body uses, if any."""
         forms: list[tuple[str, dict[str, Any]]] = []
@@ -239,6 +239,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                           ("grammar", "grammar"), ("json_schema", "json")):  # fmt: skip
             if getattr(self, name) is not None:
                 forms.append((name, {key: getattr(self, name)}))
+        if tool_grammar is not None:
+            forms.append(("tool_choice", {"grammar": tool_grammar}))
         response_format = getattr(self, "response_format", None)
         if response_format is not None:
             form = _response_format(response_format)
@@ -382,13 +384,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         """No new tokens asked for (a limit of 0)."""
         return self.limit == 0
 
-    def check(self, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
-        if self.tools:
-            raise GatewayRequestError("tools: tool calling is not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise GatewayRequestError(
-                "tool_choice: tool calling is not supported", param="tool_choice"
-            )
+    def check(
+        self, encode: Callable[[str], list[int]] | None = None, tool_grammar: str | None = None
+    ) -> SamplingParams:
+        """The scheduler's SamplingParams; ``tool_grammar``: the calls ``tool_choice``
+        forces (:meth:`~expeditor.gateway.tools.ToolPlan.grammar`), a structured-output
+        form of its own."""
         if self.top_logprobs is not None and not self.logprobs:
             raise GatewayRequestError(
                 "top_logprobs: needs logprobs set to true", param="top_logprobs"
@@ -404,7 +405,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.limit
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self.sampling(max_tokens, logprobs, encode)
+            return self.sampling(max_tokens, logprobs, encode, tool_grammar)
         except GatewayRequestError as exc:
             if exc.param == "logprobs":  # the scheduler's field is our top_logprobs
                 exc.param = "top_logprobs"
@@ -421,10 +422,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """With messages: the tools the chat template is given (vLLM's)."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    FREE_FORM: ClassVar[tuple[str, ...]] = ("messages",)
+    FREE_FORM: ClassVar[tuple[str, ...]] = ("messages", "tools")
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

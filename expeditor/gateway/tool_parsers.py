@@ -1,0 +1,409 @@
+"""Tool calls in a model's output, as the model family writes them, read as the text
+arrives: the content around them and, per call, its name and the raw JSON text of its
+arguments (``--tool-call-parser``).
+
+Formats (:data:`PARSERS`):
+
+- ``hermes`` (Hermes, Qwen 2.5/3 and most ChatML tool templates):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call,
+  content around them;
+- ``llama3_json`` (Llama 3.1-3.3): the whole output is ``{"name": ..., "parameters":
+  {...}}`` (``arguments`` read too), several separated by ``;``, after an optional
+  ``<|python_tag|>``; an output that does not start with ``{`` is content;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": ...}``
+  (v3 tokenizers) or ``name[ARGS]{...}`` per call (v11), content before it.
+
+One incremental reader (:class:`ToolCallReader`) serves a whole response and a stream
+alike, so a streamed call's argument deltas join to exactly the whole response's
+``arguments``. A call is reported once its name is complete; its arguments grow as they
+are generated (trailing whitespace held back until more text comes). An output cut
+short mid-call (``length``) keeps the calls and arguments read so far. Text that
+breaks the format (no JSON object after the marker, a call without a string name) is
+content from there on.
+
+Each format also writes the grammar that makes a model emit calls of given tools in
+that format (``tool_choice`` ``required`` or a named function: arguments constrained
+to the tool's JSON schema), so forced calls read back with the same reader.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from expeditor.gateway.call_scanner import WHITESPACE as _WS
+from expeditor.gateway.call_scanner import ObjectScanner
+
+__all__ = [
+    "PARSERS",
+    "ParsedCall",
+    "ToolCallDelta",
+    "ToolCallReader",
+    "ToolFormat",
+    "parse_tool_calls",
+    "tool_format",
+]
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str
+    """The arguments' JSON text as the model wrote it (``{}`` when it gave none)."""
+
+
+@dataclass
+class ToolCallDelta:
+    """What one step added to call ``index``: its ``name`` the first time (else None),
+    and more of its arguments' text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+@dataclass
+class _Call:
+    scanner: ObjectScanner
+    name_sent: bool = False
+    sent: int = 0
+    """Characters of its arguments sent."""
+
+
+class ToolFormat:
+    """One model family's tool-call syntax (subclasses: one per format)."""
+
+    NAME: ClassVar[str]
+    ARGUMENT_KEYS: ClassVar[tuple[str, ...]] = ("arguments",)
+
+    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
+        """A Lark grammar (llguidance's) of one call, or with ``multiple`` one or
+        more, of the ``tools`` (``{"name", "parameters"}`` each) in this format."""
+        raise NotImplementedError
+
+    def _call_rules(self, tools: list[dict[str, Any]]) -> list[str]:
+        """``call`` and its alternatives: ``{"name": "N", "<key>": <schema>}``."""
+        key = self.ARGUMENT_KEYS[0]
+        rules = ["call: " + " | ".join(f"call{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            head = _lark_string('{"name": ' + json.dumps(tool["name"]) + f', "{key}": ')
+            rules.append(f'call{i}: {head} args{i} "}}"')
+            rules.append(f"args{i}: %json {json.dumps(tool['parameters'])}")
+        return rules
+
+
+def _lark_string(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text)
+
+
+class Hermes(ToolFormat):
+    NAME = "hermes"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
+        more = ' ("\\n" block)*' if multiple else ""
+        return "\n".join(
+            [f"start: block{more}", 'block: "<tool_call>\\n" call "\\n</tool_call>"']
+            + self._call_rules(tools)
+        )
+
+
+class Llama3Json(ToolFormat):
+    NAME = "llama3_json"
+    ARGUMENT_KEYS = ("parameters", "arguments")
+    TAG = "<|python_tag|>"
+
+    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
+        more = ' ("; " call)*' if multiple else ""
+        return "\n".join([f"start: call{more}"] + self._call_rules(tools))
+
+
+class Mistral(ToolFormat):
+    NAME = "mistral"
+    OPEN = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
+        more = ' (", " call)*' if multiple else ""
+        return "\n".join([f'start: "[TOOL_CALLS][" call{more} "]"'] + self._call_rules(tools))
+
+
+PARSERS: dict[str, type[ToolFormat]] = {f.NAME: f for f in (Hermes, Llama3Json, Mistral)}
+"""``--tool-call-parser`` values."""
+
+
+def tool_format(name: str) -> ToolFormat:
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown tool call parser {name!r}; choose from {', '.join(PARSERS)}"
+        ) from None
+
+
+def _held_prefix(text: str, start: int, marker: str) -> int:
+    """Where a possible beginning of ``marker`` at the end of ``text[start:]`` starts
+    (``len(text)`` if none): text from there is held back until more arrives."""
+    for size in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if marker.startswith(text[len(text) - size :]):
+            return len(text) - size
+    return len(text)
+
+
+@dataclass
+class ToolCallReader:
+    """The content and tool calls of one output, fed its text as it grows.
+
+    Content is sent as it is decided, less whitespace: whitespace before a call's
+    marker and right after a call is dropped, and trailing whitespace waits for more
+    content (released at the end only when the output has no calls)."""
+
+    fmt: ToolFormat
+    text: str = ""
+    calls: list[_Call] = field(default_factory=list)
+    pos: int = 0
+    """Text before this offset is decided (content sent, or part of a call)."""
+    state: str = "content"
+    """content | open (a call object starts here) | object (reading one) | after
+    (behind a call) | plain (content to the end); mistral also: list_or_name,
+    in_list, name (v11: a name up to [ARGS]), open_named."""
+    name: str | None = None
+    """Mistral v11: the name read before [ARGS]."""
+    held_ws: str = ""
+    after_call: bool = False
+
+    def feed(self, more: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """Read ``more``: (new content, new call deltas). ``final``: the output ended
+        (held-back text is released)."""
+        self.text += more
+        out: list[str] = []
+        while self._step(out, final):
+            pass
+        if final:
+            if self.state in ("content", "plain") and self.pos < len(self.text):
+                self._emit(out, self.text[self.pos :])
+                self.pos = len(self.text)
+            if not self.calls:
+                out.append(self.held_ws)
+            self.held_ws = ""
+        return "".join(out), self._deltas(final)
+
+    def parsed(self) -> tuple[str, list[ParsedCall]]:
+        """Everything fed so far, read as one whole output: (content, calls)."""
+        reader = ToolCallReader(self.fmt)
+        content, _ = reader.feed(self.text, final=True)
+        calls = [
+            ParsedCall(c.scanner.name, _arguments_text(reader.text, c.scanner, True))
+            for c in reader.calls
+            if c.scanner.name is not None
+        ]
+        return content, calls
+
+    # -- content -----------------------------------------------------------------------
+
+    def _emit(self, out: list[str], piece: str) -> None:
+        piece = self.held_ws + piece
+        if self.after_call:
+            piece = piece.lstrip(_WS)
+            self.after_call = not piece
+        solid = piece.rstrip(_WS)
+        self.held_ws = piece[len(solid) :]
+        if solid:
+            out.append(solid)
+
+    def _content_until(self, out: list[str], marker: str, final: bool) -> bool:
+        """Send content up to ``marker`` (a possible start of it at the end held back);
+        whether the marker was found (``pos`` then behind it)."""
+        text, pos = self.text, self.pos
+        cut = text.find(marker, pos)
+        if cut >= 0:
+            self._emit(out, text[pos:cut])
+            self.held_ws = ""
+            self.pos = cut + len(marker)
+            return True
+        upto = len(text) if final else _held_prefix(text, pos, marker)
+        if upto > pos:
+            self._emit(out, text[pos:upto])
+            self.pos = upto
+        return False
+
+    def _solid(self) -> int:
+        """The first non-whitespace offset from ``pos`` (``len(text)`` if none)."""
+        pos = self.pos
+        while pos < len(self.text) and self.text[pos] in _WS:
+            pos += 1
+        return pos
+
+    def _waiting_for(self, marker: str, at: int, final: bool) -> bool:
+        """Whether the text from ``at`` may still become ``marker``."""
+        return not final and marker.startswith(self.text[at:])
+
+    # -- the state machine -------------------------------------------------------------
+
+    def _step(self, out: list[str], final: bool) -> bool:
+        """One move; False when it needs more text."""
+        state = self.state
+        if state == "plain":
+            if self.pos < len(self.text):
+                self._emit(out, self.text[self.pos :])
+                self.pos = len(self.text)
+            return False
+        if state in ("open", "open_named"):
+            return self._open(final, named=state == "open_named")
+        if state == "object":
+            return self._read_object()
+        if isinstance(self.fmt, Llama3Json):
+            return self._step_llama(final)
+        if isinstance(self.fmt, Mistral):
+            return self._step_mistral(out, final)
+        return self._step_hermes(out, final)
+
+    def _open(self, final: bool, named: bool) -> bool:
+        """A call object must start at ``pos`` (after whitespace)."""
+        at = self._solid()
+        if at >= len(self.text):
+            if final:
+                self.state = "plain"
+            return False
+        if self.text[at] != "{":
+            self.state = "plain"
+            return True
+        name = self.name if named else None
+        self.calls.append(_Call(ObjectScanner(at, self.fmt.ARGUMENT_KEYS, name)))
+        self.pos = at
+        self.state = "object"
+        return True
+
+    def _read_object(self) -> bool:
+        scanner = self.calls[-1].scanner
+        scanner.feed(self.text, len(self.text))
+        if scanner.bad and scanner.name is not None:  # named: kept as read
+            if scanner.in_args:
+                scanner.args_end = scanner.args_last
+            scanner.bad = False
+            scanner.end = scanner.pos
+        elif scanner.bad or (scanner.end >= 0 and scanner.name is None):
+            self.calls.pop()  # not a call: its text is content
+            self.state = "plain"
+            return True
+        if scanner.end < 0:
+            return False
+        self.pos = scanner.end
+        self.state = "after"
+        self.after_call = True
+        return True
+
+    def _step_hermes(self, out: list[str], final: bool) -> bool:
+        if self.state == "content":
+            if not self._content_until(out, Hermes.OPEN, final):
+                return False
+            self.state = "open"
+            return True
+        at = self._solid()  # behind a call: its closing tag, then content again
+        if self.text.startswith(Hermes.CLOSE, at):
+            self.pos = at + len(Hermes.CLOSE)
+        elif self._waiting_for(Hermes.CLOSE, at, final):
+            return False
+        self.state = "content"
+        return True
+
+    def _step_llama(self, final: bool) -> bool:
+        at = self._solid()
+        if self.state == "content":  # the output starts with a call, or is content
+            if self.text.startswith(Llama3Json.TAG, at):
+                self.pos = at + len(Llama3Json.TAG)
+                self.state = "open"
+            elif at < len(self.text) and self.text[at] == "{":
+                self.state = "open"
+            elif at >= len(self.text) or self._waiting_for(Llama3Json.TAG, at, final):
+                return False
+            else:
+                self.state = "plain"
+            return True
+        if at >= len(self.text):  # behind a call: ';' and the next, or content
+            return False
+        if self.text[at] == ";":
+            self.pos = at + 1
+            self.state = "open"
+        else:
+            self.pos = at
+            self.state = "plain"
+        return True
+
+    def _step_mistral(self, out: list[str], final: bool) -> bool:
+        state = self.state
+        if state == "content":
+            if not self._content_until(out, Mistral.OPEN, final):
+                return False
+            self.state = "list_or_name"
+            return True
+        if state == "name":
+            cut = self.text.find(Mistral.ARGS, self.pos)
+            if cut < 0:
+                if final:
+                    self.state = "plain"
+                return False
+            self.name = self.text[self.pos : cut].strip()
+            self.pos = cut + len(Mistral.ARGS)
+            self.state = "open_named"
+            return True
+        at = self._solid()
+        if at >= len(self.text):
+            return False
+        if state == "list_or_name":
+            self.pos = at + 1 if self.text[at] == "[" else at
+            self.state = "in_list" if self.text[at] == "[" else "name"
+            return True
+        if state == "in_list":
+            self.state = "open"
+            return True
+        listed = not self.calls[-1].scanner.whole  # behind a call
+        if listed and self.text[at] in ",]":
+            self.pos = at + 1
+            self.state = "open" if self.text[at] == "," else "content"
+            return True
+        if not listed and self.text.startswith(Mistral.OPEN, at):
+            self.pos = at + len(Mistral.OPEN)
+            self.state = "name"
+            return True
+        if not listed and self._waiting_for(Mistral.OPEN, at, final):
+            return False
+        self.pos = at
+        self.state = "content"
+        return True
+
+    def _deltas(self, final: bool) -> list[ToolCallDelta]:
+        deltas = []
+        for index, call in enumerate(self.calls):
+            scanner = call.scanner
+            if scanner.name is None:
+                continue
+            name = None
+            if not call.name_sent:
+                call.name_sent = True
+                name = scanner.name
+            args = _arguments_text(self.text, scanner, scanner.end >= 0 or final)
+            arguments = args[call.sent :]
+            call.sent = max(call.sent, len(args))
+            if name is not None or arguments:
+                deltas.append(ToolCallDelta(index, name, arguments))
+        return deltas
+
+
+def _arguments_text(text: str, scanner: ObjectScanner, done: bool) -> str:
+    """The call's arguments text read so far (its value, up to its last non-whitespace
+    character); a finished call without arguments has ``{}``."""
+    if scanner.args_start < 0:
+        return "{}" if done and scanner.end >= 0 else ""
+    end = scanner.args_end if scanner.args_end >= 0 else scanner.args_last
+    return text[scanner.args_start : end]
+
+
+def parse_tool_calls(format_name: str, text: str) -> tuple[str, list[ParsedCall]]:
+    """A whole output's (content, tool calls) in format ``format_name``."""
+    reader = ToolCallReader(tool_format(format_name))
+    reader.feed(text, final=True)
+    return reader.parsed()
