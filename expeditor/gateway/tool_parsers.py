@@ -174,6 +174,11 @@ class ToolCallReader:
     """Mistral v11: the name read before [ARGS]."""
     held_ws: str = ""
     after_call: bool = False
+    broken_at: int = 0
+    marker_ws: str = ""
+    """The whitespace held before that marker."""
+    """Where the marker or separator read last starts: content from there if what
+    follows breaks the format."""
 
     def feed(self, more: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """Read ``more``: (new content, new call deltas). ``final``: the output ended
@@ -221,7 +226,8 @@ class ToolCallReader:
         cut = text.find(marker, pos)
         if cut >= 0:
             self._emit(out, text[pos:cut])
-            self.held_ws = ""
+            self.marker_ws, self.held_ws = self.held_ws, ""
+            self.broken_at = cut
             self.pos = cut + len(marker)
             return True
         upto = len(text) if final else _held_prefix(text, pos, marker)
@@ -261,15 +267,21 @@ class ToolCallReader:
             return self._step_mistral(out, final)
         return self._step_hermes(out, final)
 
+    def _broken(self) -> None:
+        """The format broke: content from the marker (or separator) read last."""
+        self.pos = self.broken_at
+        self.held_ws = self.marker_ws
+        self.state = "plain"
+
     def _open(self, final: bool, named: bool) -> bool:
         """A call object must start at ``pos`` (after whitespace)."""
         at = self._solid()
         if at >= len(self.text):
             if final:
-                self.state = "plain"
+                self._broken()
             return False
         if self.text[at] != "{":
-            self.state = "plain"
+            self._broken()
             return True
         name = self.name if named else None
         self.calls.append(_Call(ObjectScanner(at, self.fmt.ARGUMENT_KEYS, name)))
@@ -286,8 +298,8 @@ class ToolCallReader:
             scanner.bad = False
             scanner.end = scanner.pos
         elif scanner.bad or (scanner.end >= 0 and scanner.name is None):
-            self.calls.pop()  # not a call: its text is content
-            self.state = "plain"
+            self.calls.pop()  # not a call
+            self._broken()
             return True
         if scanner.end < 0:
             return False
@@ -314,9 +326,11 @@ class ToolCallReader:
         at = self._solid()
         if self.state == "content":  # the output starts with a call, or is content
             if self.text.startswith(Llama3Json.TAG, at):
+                self.broken_at = at
                 self.pos = at + len(Llama3Json.TAG)
                 self.state = "open"
             elif at < len(self.text) and self.text[at] == "{":
+                self.broken_at = at
                 self.state = "open"
             elif at >= len(self.text) or self._waiting_for(Llama3Json.TAG, at, final):
                 return False
@@ -326,6 +340,7 @@ class ToolCallReader:
         if at >= len(self.text):  # behind a call: ';' and the next, or content
             return False
         if self.text[at] == ";":
+            self.broken_at = at
             self.pos = at + 1
             self.state = "open"
         else:
@@ -344,7 +359,7 @@ class ToolCallReader:
             cut = self.text.find(Mistral.ARGS, self.pos)
             if cut < 0:
                 if final:
-                    self.state = "plain"
+                    self._broken()
                 return False
             self.name = self.text[self.pos : cut].strip()
             self.pos = cut + len(Mistral.ARGS)
@@ -362,10 +377,12 @@ class ToolCallReader:
             return True
         listed = not self.calls[-1].scanner.whole  # behind a call
         if listed and self.text[at] in ",]":
+            self.broken_at = at
             self.pos = at + 1
             self.state = "open" if self.text[at] == "," else "content"
             return True
         if not listed and self.text.startswith(Mistral.OPEN, at):
+            self.broken_at = at
             self.pos = at + len(Mistral.OPEN)
             self.state = "name"
             return True
