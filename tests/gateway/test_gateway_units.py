@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from expeditor.gateway.chat import load_chat_template
 from expeditor.gateway.metrics import render_metrics
+from expeditor.gateway.tools import plan_tools
 from expeditor.gateway.protocol import (
     IGNORED,
     ChatCompletionRequest,
@@ -143,18 +144,21 @@ COMPLETION_FIELDS = [
 CHAT_FIELDS = [
     ("max_completion_tokens", 3, "honoured"), ("logprobs", True, "honoured"),
     ("add_generation_prompt", False, "honoured"), ("continue_final_message", True, "honoured"),
-    ("chat_template_kwargs", {"x": 1}, "honoured"), ("tools", [{"type": "function"}], "refused"),
-    ("tool_choice", "required", "refused"), ("functions", [{"name": "f"}], "refused"),
+    ("chat_template_kwargs", {"x": 1}, "honoured"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "honoured"),
+    ("tool_choice", "none", "honoured"), ("functions", [{"name": "f"}], "refused"),
     ("function_call", "auto", "refused"),
-    ("parallel_tool_calls", False, "ignored"), ("modalities", ["text"], "refused"),
+    ("parallel_tool_calls", False, "honoured"), ("modalities", ["text"], "refused"),
     ("audio", {"voice": "x"}, "refused"), ("prediction", {"type": "content"}, "refused"),
     ("web_search_options", {}, "refused"), ("documents", [], "refused"),
 ]  # fmt: skip
 BODY_FIELDS = {
     "stream", "priority", "return_tokens_as_token_ids", "best_of", "echo",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
-"""Fields the handlers act on themselves (not through SamplingParams)."""
+"""Fields the handlers act on themselves (not through SamplingParams; tools:
+:func:`~expeditor.gateway.tools.plan_tools`, tested below)."""
 
 
 @pytest.mark.parametrize(
@@ -201,7 +205,6 @@ def test_chat_body_checks() -> None:
         (b', "logprobs": true, "top_logprobs": 99', "top_logprobs"),
         (b', "max_completion_tokens": -2', "max_completion_tokens"),
         (b', "max_tokens": 3, "max_completion_tokens": 4', "max_tokens"),
-        (b', "tools": [{"type": "function"}]', "tools"),
         (b', "response_format": {"type": "json_schema"}', "response_format"),
     ):
         error = _refused(b"{" + messages + extra + b"}", ChatCompletionRequest)
@@ -493,3 +496,45 @@ def test_a_checkpoint_without_chat_template_refuses_chat_naming_the_fix(model: P
     (h,) = served.encode("H", add_special_tokens=False)
     assert served.token_text(h) == "H"
     assert served.decode(served.encode("hi", add_special_tokens=False)) == "hi"
+
+
+def _tool(name: str, **function: object) -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def test_tool_plans() -> None:
+    """What each tool_choice asks for: nothing forced (none, auto), a grammar of one or
+    more calls of any tool (required; one without parallel calls), one call of the named
+    tool; tools without a parser on the server only with none."""
+    tools = [_tool("f", parameters={"type": "object"}), _tool("g")]
+    assert plan_tools(None, None, None, "hermes") is None
+    assert plan_tools(None, "none", None, "hermes") is None
+    auto = plan_tools(tools, None, None, "hermes")
+    assert auto is not None and (auto.choice, auto.reads_calls, auto.forced) == ("auto", True, False)
+    none = plan_tools(tools, "none", None, "none")
+    assert none is not None and not none.reads_calls
+    required = plan_tools(tools, "required", None, "hermes")
+    assert required is not None and required.forced
+    grammar = required.grammar()
+    assert '\\"f\\"' in grammar and '\\"g\\"' in grammar and '("\\n" block)*' in grammar
+    single = plan_tools(tools, "required", False, "hermes")
+    assert single is not None and "block)*" not in single.grammar()
+    assert single.keep([1, 2]) == [1]
+    named = plan_tools(tools, {"type": "function", "function": {"name": "g"}}, None, "mistral")
+    assert named is not None and named.named == "g"
+    assert '\\"g\\"' in named.grammar() and '\\"f\\"' not in named.grammar()
+    assert "[TOOL_CALLS]" in named.grammar()
+    cases = [
+        (([], None, None, "hermes"), "tools", "must not be empty"),
+        (([{"type": "function"}], None, None, "hermes"), "tools", "tools[0]"),
+        (([_tool("f", extra=1)], None, None, "hermes"), "tools", "unknown field 'extra'"),
+        (([_tool("f", parameters=[])], None, None, "hermes"), "tools", "JSON schema object"),
+        (([_tool("f")], "auto", None, "none"), "tool_choice", "tool_call_parser"),
+        (([_tool("f")], None, "yes", "hermes"), "parallel_tool_calls", "boolean"),
+        ((None, {"type": "function", "function": {"name": "f"}}, None, "hermes"),
+         "tool_choice", "needs tools"),
+    ]  # fmt: skip
+    for args, param, words in cases:
+        with pytest.raises(GatewayRequestError) as info:
+            plan_tools(*args)  # type: ignore[arg-type]
+        assert info.value.param == param and words in info.value.message, (args, info.value)
