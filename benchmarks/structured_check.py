@@ -1,6 +1,6 @@
 """Structured output at volume through ``expeditor serve --http`` on the real SmolLM2
 checkpoint, with the official openai client: ``--requests`` chat requests, each with a
-JSON schema drawn from the seeded family (tests/support/schemas.py: objects, nested
+JSON schema drawn from the seeded family (expeditor/bench/schema_family.py: objects, nested
 objects, arrays with item bounds, enums, bounded numbers, required fields,
 ``additionalProperties: false``), half greedy and half at temperature 1 (seeded), sent
 ``--concurrency`` at a time. Every completion that finished with ``stop`` must parse and

@@ -1,6 +1,6 @@
 """What structured output costs: the same requests on the real SmolLM2 checkpoint, each
 asking for a JSON object of a schema drawn from the seeded family
-(tests/support/schemas.py), constrained to it and unconstrained, through the
+(expeditor/bench/schema_family.py), constrained to it and unconstrained, through the
 in-process engine, interleaved rounds, medians of output tokens per second. Each
 unconstrained request generates as many tokens as its constrained run did (ignoring
 EOS), so both runs do the same work but for the masks.

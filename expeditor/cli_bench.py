@@ -25,7 +25,10 @@ case where static batching suffers head-of-line blocking); poisson (arrivals at
 --rate per second with --burstiness, gamma inter-arrival times as in vLLM's serving
 benchmark); shared-prefix (a few long shared system prompts, each followed by a
 distinct suffix); pressure (a KV pool far smaller than the working set, forcing
-preemption); or a JSONL file of requests ({"prompt_token_ids" | "prompt_len",
+preemption); json (all at t=0, each request constrained to a JSON schema of its own
+from a seeded family; by default against expeditor and expeditor[constraints=off],
+the same requests unconstrained, each generating as many tokens as it did
+constrained); or a JSONL file of requests ({"prompt_token_ids" | "prompt_len",
 "max_tokens", "arrival_s"}).
 
 Targets: expeditor (the daemons via the client library, streaming); inprocess (the
@@ -42,11 +45,15 @@ max_concurrency= (default: every request at its arrival time), e.g.
 """
 
 
+JSON_TARGETS = ["expeditor", "expeditor[constraints=off]"]
+"""The json workload's targets unless --target says: its cost, side by side."""
+
+
 @app.command(help=BENCH_HELP)
 @with_config_options
 def bench(
     workload: Annotated[
-        str, typer.Option(help="skewed | poisson | shared-prefix | pressure | FILE.jsonl")
+        str, typer.Option(help="skewed | poisson | shared-prefix | pressure | json | FILE.jsonl")
     ] = "skewed",
     target: Annotated[
         list[str] | None,
@@ -88,7 +95,8 @@ def bench(
     if num_requests < 1:
         fail("--num-requests must be >= 1")
     try:
-        specs = [parse_target(t) for t in (target or ["expeditor", "static"])]
+        default = JSON_TARGETS if workload == "json" else ["expeditor", "static"]
+        specs = [parse_target(t) for t in (target or default)]
         extra = {k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None}
         load = make_workload(workload, num_requests, seed, **extra)
     except (ValueError, OSError) as exc:

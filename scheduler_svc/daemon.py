@@ -289,6 +289,7 @@ class SchedulerDaemon:
         built = build_engine(self.config, hello, self.executor, times=self.step_times)
         self.core, self.engine, self.swap_pool = built.core, built.engine, built.swap_pool
         self.frontend.attach(self.core, hello.model, load_tokenizer(hello.model))
+        self.frontend.build_grammars()  # ~0.5 s on a thread, before any request needs it
 
     # -- the step loop -------------------------------------------------------------------
 

@@ -132,7 +132,8 @@ class Frontend:
         """Requests that arrived before the first worker registered (no tokenizer yet)."""
         self.tokenizing: set[asyncio.Task[None]] = set()
         self.grammars: asyncio.Future[GrammarCompiler] | None = None
-        """The structured-output compiler, made with the first request that needs it."""
+        """The structured-output compiler, built on a thread once the core exists (its
+        tokenizer takes ~0.5 s: not on the first constrained request's time)."""
         self.clients: dict[bytes, float] = {}
         """Connection -> when it was last heard from."""
         self.started = time.monotonic()
@@ -149,6 +150,17 @@ class Frontend:
         backlog, self.backlog = self.backlog, []
         for request, msg in backlog:
             self._submit(request, msg)
+
+    def build_grammars(self) -> asyncio.Future[GrammarCompiler]:
+        """The compiler's future, started on a thread the first time (the daemon starts
+        it once the core exists; else the first constrained request does)."""
+        assert self.core is not None and self.outputs.tokenizer is not None
+        if self.grammars is None:
+            self.grammars = asyncio.ensure_future(
+                asyncio.to_thread(GrammarCompiler.for_scheduler, self.outputs.tokenizer, self.core)
+            )
+            self.grammars.add_done_callback(_log_failure)
+        return self.grammars
 
     def send(self, identity: bytes, message: ServerMessage) -> None:
         """Never blocks: a reply a client cannot take yet waits in its bounded backlog."""
@@ -309,15 +321,11 @@ class Frontend:
     async def _compile(self, spec: StructuredOutput) -> TokenConstraint:
         """``spec``'s matcher, compiled on a thread; RejectedError (bad_request) naming
         the problem, or the time limit when compiling takes longer."""
-        assert self.core is not None and self.outputs.tokenizer is not None
-        if self.grammars is None:  # its tokenizer takes ~0.5 s: built once, on a thread
-            self.grammars = asyncio.ensure_future(
-                asyncio.to_thread(GrammarCompiler.for_scheduler, self.outputs.tokenizer, self.core)
-            )
+        grammars = self.build_grammars()
         limit = self.server.grammar_compile_timeout_s
         try:
             async with asyncio.timeout(limit):
-                compiler = await asyncio.shield(self.grammars)
+                compiler = await asyncio.shield(grammars)
                 return await asyncio.to_thread(compiler.compile, spec)
         except InvalidRequestError as exc:
             raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
@@ -477,3 +485,10 @@ class Frontend:
         for client in silent:
             del self.clients[client]
             self.outbox.forget(client)
+
+
+def _log_failure(future: asyncio.Future[GrammarCompiler]) -> None:
+    """Building the compiler failed: said once here (each constrained request then fails
+    with it, as an internal error)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("the structured-output compiler could not be built", exc_info=future.exception())

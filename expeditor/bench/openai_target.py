@@ -317,6 +317,8 @@ def _body(setup: _Setup, req: BenchRequest, prompt_text: str | None) -> dict[str
     )
     if setup.api == "completions" and req.ignore_eos:
         body["ignore_eos"] = True
+    if req.structured_outputs is not None:  # vLLM's form (expeditor's gateway takes it)
+        body["structured_outputs"] = req.structured_outputs
     return body
 
 

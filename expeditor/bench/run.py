@@ -39,6 +39,37 @@ class TargetSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+CONSTRAINTS = "constraints"
+"""``NAME[constraints=off]``: the workload's requests without their structured outputs,
+each as long as under the constrained target before it (:func:`unconstrained`)."""
+
+
+def _switch(target: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered not in ("on", "off", "true", "false"):
+        raise ValueError(f"target {target!r}: constraints= takes on or off, got {value!r}")
+    return lowered in ("on", "true")
+
+
+def unconstrained(
+    workload: Workload, lengths: dict[str, int] | None, source: str | None
+) -> tuple[Workload, str]:
+    """``workload`` without constraints: each request generating exactly as many tokens
+    as it did under ``source`` (``lengths``: its output tokens there), EOS ignored; a
+    note saying so."""
+    requests = []
+    for req in workload.requests:
+        replace: dict[str, Any] = {"structured_outputs": None}
+        if lengths is not None and lengths.get(req.request_id):
+            replace.update(max_tokens=lengths[req.request_id], ignore_eos=True)
+        requests.append(msgspec.structs.replace(req, **replace))
+    if lengths is None:
+        note = "constraints off; no constrained target ran before it: outputs end at EOS"
+    else:
+        note = f"constraints off: each request generates as many tokens as under {source}"
+    return msgspec.structs.replace(workload, requests=requests), note
+
+
 def _value(text: str) -> Any:
     lowered = text.lower()
     if lowered in ("true", "false"):
@@ -70,6 +101,9 @@ def parse_target(text: str) -> TargetSpec:
             key = key.strip().replace("-", "_")
             if sep and key == "dtype":  # any target but openai: its dtype (--dtype's)
                 options["dtype"] = value.strip()
+                continue
+            if sep and key == CONSTRAINTS:
+                options[CONSTRAINTS] = _switch(text, value)
                 continue
             if sep and name == "expeditor" and key in SERVE_OPTIONS:
                 options.setdefault(SERVE_KEY, {})[key] = _value(value.strip())
@@ -115,13 +149,24 @@ def run_bench(
     """``dtype``: every target but ``openai`` (a server keeps its own) computes in it,
     unless its brackets say otherwise (``expeditor[dtype=float32]``)."""
     results = []
+    constrained = any(r.structured_outputs is not None for r in workload.requests)
+    lengths: dict[str, int] | None = None
+    source: str | None = None
+    """The first constrained target's output lengths (constraints=off replays them)."""
     for spec in specs:
         config = target_config(workload, base_config, spec)
         if spec.name != OPENAI:  # serve's --dtype, LLM's dtype, transformers' dtype
             config["dtype"] = spec.options.get("dtype", dtype)
+        load, extra_notes = workload, []
+        if constrained and spec.options.get(CONSTRAINTS) is False:
+            load, note = unconstrained(workload, lengths, source)
+            extra_notes.append(note)
         on_start(spec.label)
         done = functools.partial(on_done, spec.label)
-        run = RUNNERS[spec.name](workload, model, config, device, done)
+        run = RUNNERS[spec.name](load, model, config, device, done)
+        if constrained and load is workload and lengths is None:
+            lengths = {t.request_id: t.num_output_tokens for t in run.timelines}
+            source = spec.label
         result = compute_result(
             spec.label,
             workload.name,
@@ -131,7 +176,7 @@ def run_bench(
             prefix_hit_rate=run.prefix_hit_rate,
             step_times=run.step_times,
         )
-        notes = [*run.notes, *_unapplied(workload, base_config, spec)]
+        notes = [*run.notes, *extra_notes, *_unapplied(workload, base_config, spec)]
         if notes:
             result = msgspec.structs.replace(result, notes=[*result.notes, *notes])
         results.append((result, run))

@@ -31,6 +31,7 @@ from typing import Any
 from expeditor.bench.metrics import KVSample, RequestTimeline
 from expeditor.bench.workloads import BenchRequest, Workload
 from ipc.schema import SchedulerSnapshot, SeqStatus, StepTimes
+from shared.structured_output import StructuredOutput
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
 """The targets named by a bare name; ``openai:URL`` is the one with an address."""
@@ -52,6 +53,21 @@ class TargetRun:
     step_times: StepTimes | None = None
     """Mean times per step over the whole run (the targets with a step engine)."""
     notes: list[str] = field(default_factory=list)
+
+
+def _structured(req: BenchRequest) -> StructuredOutput | None:
+    if req.structured_outputs is None:
+        return None
+    return StructuredOutput(**req.structured_outputs)  # type: ignore[arg-type]
+
+
+def refuse_constraints(workload: Workload, target: str) -> None:
+    """A target that cannot constrain outputs refuses a workload with constraints."""
+    if any(r.structured_outputs is not None for r in workload.requests):
+        raise TargetError(
+            f"{target} cannot constrain outputs (the {workload.name} workload's requests "
+            "carry structured_outputs); give it constraints=off"
+        )
 
 
 def _flags(config: dict[str, Any]) -> list[str]:
@@ -99,6 +115,7 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
                 temperature=0.0,
                 ignore_eos=req.ignore_eos,
                 request_id=req.request_id,
+                structured_outputs=_structured(req),
             )
             async for delta in stream:
                 now = time.perf_counter()
@@ -190,7 +207,10 @@ def run_inprocess(
                     req.request_id,
                     req.prompt_token_ids,
                     SamplingParams(
-                        temperature=0.0, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos
+                        temperature=0.0,
+                        max_tokens=req.max_tokens,
+                        ignore_eos=req.ignore_eos,
+                        structured_outputs=_structured(req),
                     ),
                 )
             if not llm.has_work():
@@ -240,6 +260,7 @@ def run_inprocess(
 def run_static(
     workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
 ) -> TargetRun:
+    refuse_constraints(workload, "static")
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -316,6 +337,7 @@ def run_static(
 def run_hf_cb(
     workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
 ) -> TargetRun:
+    refuse_constraints(workload, "hf-cb")
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     try:

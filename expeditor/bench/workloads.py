@@ -23,6 +23,9 @@ Built-in workloads (see :data:`WORKLOADS` and :func:`make_workload`):
 ``pressure``
     All at once, with a ``num_gpu_blocks`` hint far below the working set: forces
     preemption (swap or recompute).
+``json``
+    All at once, each request constrained to a JSON schema of its own
+    (:mod:`expeditor.bench.json_workload`).
 
 A ``.jsonl`` file can be loaded instead with :func:`from_jsonl`.
 """
@@ -44,6 +47,7 @@ __all__ = [
     "BenchRequest",
     "Workload",
     "from_jsonl",
+    "generators",
     "make_workload",
     "poisson",
     "pressure",
@@ -70,6 +74,9 @@ class BenchRequest(msgspec.Struct, frozen=True):
     max_tokens: int
     arrival_s: float
     ignore_eos: bool = True
+    structured_outputs: dict[str, object] | None = None
+    """What the output must match (:class:`~shared.structured_output.StructuredOutput`'s
+    fields, e.g. ``{"json": schema}``); the json workload's."""
 
 
 class Workload(msgspec.Struct, frozen=True):
@@ -110,12 +117,12 @@ class Workload(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _check_count(num_requests: int) -> None:
+def check_count(num_requests: int) -> None:
     if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 0:
         raise ValueError(f"num_requests must be an integer >= 0, got {num_requests!r}")
 
 
-def _check_range(name: str, bounds: tuple[int, int], minimum: int = 1) -> tuple[int, int]:
+def check_range(name: str, bounds: tuple[int, int], minimum: int = 1) -> tuple[int, int]:
     try:
         low, high = bounds
     except (TypeError, ValueError):
@@ -130,7 +137,7 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
-def _check_vocab(vocab: Sequence[int]) -> None:
+def check_vocab(vocab: Sequence[int]) -> None:
     if len(vocab) == 0:
         raise ValueError("vocab must not be empty")
 
@@ -139,7 +146,7 @@ def _tokens(rng: random.Random, vocab: Sequence[int], count: int) -> list[int]:
     return [vocab[rng.randrange(len(vocab))] for _ in range(count)]
 
 
-def _prompt(rng: random.Random, vocab: Sequence[int], length: int) -> list[int]:
+def random_prompt(rng: random.Random, vocab: Sequence[int], length: int) -> list[int]:
     """BOS followed by ``length - 1`` random tokens (``length`` includes the BOS)."""
     return [BOS_TOKEN_ID, *_tokens(rng, vocab, length - 1)]
 
@@ -187,16 +194,16 @@ def skewed(
     Static batching holds each batch until its longest request finishes, so the few long
     outputs block the many short ones; continuous batching refills the freed slots.
     """
-    _check_count(num_requests)
-    low, high = _check_range("prompt_len", prompt_len)
+    check_count(num_requests)
+    low, high = check_range("prompt_len", prompt_len)
     _check_positive("mean_output", mean_output)
     if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1:
         raise ValueError(f"max_output must be an integer >= 1, got {max_output!r}")
-    _check_vocab(vocab)
+    check_vocab(vocab)
     rng = random.Random(seed)
     requests = []
     for index in range(num_requests):
-        prompt = _prompt(rng, vocab, rng.randint(low, high))
+        prompt = random_prompt(rng, vocab, rng.randint(low, high))
         output = min(max_output, max(1, round(rng.expovariate(1.0 / mean_output))))
         requests.append(BenchRequest(f"skewed-{index}", prompt, output, 0.0))
     return Workload(
@@ -228,17 +235,17 @@ def poisson(
     - prompt length (BOS included): uniform integer in ``[prompt_len[0], prompt_len[1]]``;
     - ``max_tokens``: uniform integer in ``[output_len[0], output_len[1]]``.
     """
-    _check_count(num_requests)
-    p_low, p_high = _check_range("prompt_len", prompt_len)
-    o_low, o_high = _check_range("output_len", output_len)
+    check_count(num_requests)
+    p_low, p_high = check_range("prompt_len", prompt_len)
+    o_low, o_high = check_range("output_len", output_len)
     _check_positive("rate", rate)
     _check_positive("burstiness", burstiness)
-    _check_vocab(vocab)
+    check_vocab(vocab)
     rng = random.Random(seed)
     arrivals = _poisson_arrivals(rng, num_requests, rate, burstiness)
     requests = []
     for index, arrival in enumerate(arrivals):
-        prompt = _prompt(rng, vocab, rng.randint(p_low, p_high))
+        prompt = random_prompt(rng, vocab, rng.randint(p_low, p_high))
         requests.append(
             BenchRequest(f"poisson-{index}", prompt, rng.randint(o_low, o_high), arrival)
         )
@@ -276,16 +283,16 @@ def shared_prefix(
       ``rate`` requests per second (first request at 0, exponential gaps of mean
       ``1 / rate``).
     """
-    _check_count(num_requests)
+    check_count(num_requests)
     if isinstance(num_prefixes, bool) or not isinstance(num_prefixes, int) or num_prefixes < 1:
         raise ValueError(f"num_prefixes must be an integer >= 1, got {num_prefixes!r}")
     if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 1:
         raise ValueError(f"prefix_len must be an integer >= 1, got {prefix_len!r}")
-    s_low, s_high = _check_range("suffix_len", suffix_len)
-    o_low, o_high = _check_range("output_len", output_len)
+    s_low, s_high = check_range("suffix_len", suffix_len)
+    o_low, o_high = check_range("output_len", output_len)
     if rate is not None:
         _check_positive("rate", rate)
-    _check_vocab(vocab)
+    check_vocab(vocab)
     rng = random.Random(seed)
     prefixes: list[list[int]] = []
     seen_prefixes: set[tuple[int, ...]] = set()
@@ -355,18 +362,18 @@ def pressure(
       on its own, but all of them together do not, so the scheduler must preempt (swap or
       recompute).
     """
-    _check_count(num_requests)
-    p_low, p_high = _check_range("prompt_len", prompt_len)
-    o_low, o_high = _check_range("output_len", output_len)
+    check_count(num_requests)
+    p_low, p_high = check_range("prompt_len", prompt_len)
+    o_low, o_high = check_range("output_len", output_len)
     if not (isinstance(pool_fraction, int | float) and 0 < pool_fraction <= 1):
         raise ValueError(f"pool_fraction must be in (0, 1], got {pool_fraction!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    _check_vocab(vocab)
+    check_vocab(vocab)
     rng = random.Random(seed)
     requests = []
     for index in range(num_requests):
-        prompt = _prompt(rng, vocab, rng.randint(p_low, p_high))
+        prompt = random_prompt(rng, vocab, rng.randint(p_low, p_high))
         requests.append(BenchRequest(f"pressure-{index}", prompt, rng.randint(o_low, o_high), 0.0))
     needs = [_blocks(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in requests]
     need_total = sum(needs)
@@ -412,8 +419,8 @@ def from_jsonl(
     """
     path = Path(path)
     if num_requests is not None:
-        _check_count(num_requests)
-    _check_vocab(vocab)
+        check_count(num_requests)
+    check_vocab(vocab)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -457,7 +464,7 @@ def from_jsonl(
             length = obj["prompt_len"]
             if not _is_int(length) or length < 1:
                 raise ValueError(f"{where}: 'prompt_len' must be an integer >= 1, got {length!r}")
-            prompt = _prompt(rng, vocab, length)
+            prompt = random_prompt(rng, vocab, length)
         if "max_tokens" not in obj:
             raise ValueError(f"{where}: missing 'max_tokens'")
         max_tokens = obj["max_tokens"]
@@ -499,7 +506,15 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "pressure": pressure,
 }
-"""Built-in workload generators by name; each is called as ``gen(num_requests, seed=...)``."""
+"""Built-in workload generators by name; each is called as ``gen(num_requests, seed=...)``
+(:func:`generators` adds ``json``, whose module builds on this one)."""
+
+
+def generators() -> dict[str, Callable[..., Workload]]:
+    """Every built-in workload generator by name, ``json`` included."""
+    from expeditor.bench.json_workload import json_schemas
+
+    return {**WORKLOADS, "json": json_schemas}
 
 
 def _check_overrides(
@@ -521,7 +536,7 @@ def make_workload(
 ) -> Workload:
     """Build the workload ``name`` with ``num_requests`` requests, seeded by ``seed``.
 
-    ``name`` is a key of :data:`WORKLOADS` (``_`` is accepted for ``-``), called with
+    ``name`` is a key of :func:`generators` (``_`` is accepted for ``-``), called with
     ``overrides`` as keyword arguments (e.g. ``rate=8.0``); or a path ending in ``.jsonl``
     or naming an existing file, loaded with :func:`from_jsonl` (``num_requests`` keeps the
     first that many requests; ``None`` all). An unknown name raises ``ValueError`` listing
@@ -529,10 +544,11 @@ def make_workload(
     those it does.
     """
     key = name.replace("_", "-")
-    if key in WORKLOADS:
+    known = generators()
+    if key in known:
         if num_requests is None:
             raise ValueError(f"workload {name!r} needs a number of requests")
-        func = WORKLOADS[key]
+        func = known[key]
         _check_overrides(key, func, overrides)
         return func(num_requests, seed=seed, **overrides)
     if name.endswith(".jsonl") or Path(name).is_file():
@@ -540,5 +556,5 @@ def make_workload(
         _check_overrides(name, loader, overrides)
         return loader(name, seed=seed, num_requests=num_requests, **overrides)
     raise ValueError(
-        f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)} (or a path to a .jsonl file)"
+        f"unknown workload {name!r}; valid: {', '.join(known)} (or a path to a .jsonl file)"
     )

@@ -12,7 +12,6 @@ from transformers import AutoTokenizer
 
 from expeditor.gateway.chat import load_chat_template
 from expeditor.gateway.metrics import render_metrics
-from expeditor.gateway.tools import plan_tools
 from expeditor.gateway.protocol import (
     IGNORED,
     ChatCompletionRequest,
@@ -20,6 +19,7 @@ from expeditor.gateway.protocol import (
     GatewayRequestError,
     decode_body,
 )
+from expeditor.gateway.tools import plan_tools
 from ipc.schema import HistogramData, MetricsReply, Usage
 from scheduler_svc.metrics import Histogram, RequestMetrics
 from shared.errors import ConfigError
@@ -510,7 +510,7 @@ def test_tool_plans() -> None:
     assert plan_tools(None, None, None, "hermes") is None
     assert plan_tools(None, "none", None, "hermes") is None
     auto = plan_tools(tools, None, None, "hermes")
-    assert auto is not None and (auto.choice, auto.reads_calls, auto.forced) == ("auto", True, False)
+    assert auto is not None and auto.reads_calls and not auto.forced and auto.choice == "auto"
     none = plan_tools(tools, "none", None, "none")
     assert none is not None and not none.reads_calls
     required = plan_tools(tools, "required", None, "hermes")
