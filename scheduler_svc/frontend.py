@@ -57,7 +57,7 @@ from scheduler_svc.core.request import RejectedError, TokenConstraint
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.outputs import ClientRequest, OutputProcessor, RequestEnded
 from scheduler_svc.reply_outbox import ReplyOutbox
-from scheduler_svc.structured_output import GrammarCompiler
+from scheduler_svc.structured_output import COMPILE_THREADS, GrammarCompiler
 from shared.errors import InvalidRequestError
 from shared.memory import malloc_trim
 from shared.structured_output import StructuredOutput
@@ -156,8 +156,9 @@ class Frontend:
         it once the core exists; else the first constrained request does)."""
         assert self.core is not None and self.outputs.tokenizer is not None
         if self.grammars is None:
-            self.grammars = asyncio.ensure_future(
-                asyncio.to_thread(GrammarCompiler.for_scheduler, self.outputs.tokenizer, self.core)
+            loop = asyncio.get_running_loop()
+            self.grammars = loop.run_in_executor(
+                COMPILE_THREADS, GrammarCompiler.for_scheduler, self.outputs.tokenizer, self.core
             )
             self.grammars.add_done_callback(_log_failure)
         return self.grammars
@@ -326,7 +327,8 @@ class Frontend:
         try:
             async with asyncio.timeout(limit):
                 compiler = await asyncio.shield(grammars)
-                return await asyncio.to_thread(compiler.compile, spec)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(COMPILE_THREADS, compiler.compile, spec)
         except InvalidRequestError as exc:
             raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
         except TimeoutError:

@@ -18,8 +18,10 @@ but the bits (``gpu_worker/token_bitmask.py``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -33,7 +35,29 @@ from shared.structured_output import FIELD, StructuredOutput
 if TYPE_CHECKING:
     from scheduler_svc.core.scheduler import Scheduler
 
-__all__ = ["Constraint", "GrammarCompiler"]
+__all__ = ["COMPILE_THREADS", "Constraint", "GrammarCompiler"]
+
+COMPILE_NICE = 10
+"""How much less CPU priority a compile thread has than the rest of the process."""
+
+
+def _background_priority() -> None:
+    """This thread at :data:`COMPILE_NICE` more niceness (Linux sets it per thread): a
+    long compile takes the CPU the step loop and the worker leave, not theirs."""
+    try:
+        tid = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice))
+    except (OSError, AttributeError):  # not Linux, or not allowed: the usual priority
+        pass
+
+
+COMPILE_THREADS = ThreadPoolExecutor(
+    max_workers=2, thread_name_prefix="grammar", initializer=_background_priority
+)
+"""Where the daemon compiles (and builds its compiler): two threads at lower priority.
+A flood of slow compiles queues here, each failing at its time limit, instead of
+taking every core."""
 
 _BOUNDED_WHITESPACE: dict[str, object] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
 """JSON whitespace between tokens: at most 24 characters in a row (room to indent a

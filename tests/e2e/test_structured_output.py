@@ -6,6 +6,7 @@ every schedule on the tiny model, and bad constraints refused by name."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,9 @@ from scheduler_svc.core.request import RejectedError
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from shared.structured_output import MAX_STRUCTURED_BYTES
+
+DEVICE = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
+"""Where the engine runs (``benchmarks/gpu_check.sh``: CUDA, the masks applied there)."""
 
 ARITHMETIC = r"""
 root   ::= expr
@@ -68,7 +72,7 @@ def parses_arithmetic(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
-    with LLM("smollm2-135m-instruct", device="cpu", dtype="float32") as llm:
+    with LLM("smollm2-135m-instruct", device=DEVICE, dtype="float32") as llm:
         yield llm
 
 
@@ -165,7 +169,7 @@ def _tiny_run(model: Path, schedule: dict) -> tuple[list[list[list[int]]], int]:
         SamplingParams(temperature=0.0, max_tokens=24, n=3, structured_outputs=c)
         for c in CONSTRAINTS * 2
     ][: len(TINY_PROMPTS)]
-    with LLM(model, device="cpu", dtype="float32", **schedule) as llm:
+    with LLM(model, device=DEVICE, dtype="float32", **schedule) as llm:
         done = llm.generate(TINY_PROMPTS, params)
         preempted = sum(llm.scheduler.preemptions.values())
     return [[s.token_ids for s in c.samples] for c in done], preempted
@@ -192,7 +196,7 @@ def test_constrained_greedy_outputs_are_the_same_under_every_schedule(
 def test_tiny_model_outputs_match_their_constraints(model: Path) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
               for c in CONSTRAINTS]  # fmt: skip
-    with LLM(model, device="cpu", dtype="float32") as llm:
+    with LLM(model, device=DEVICE, dtype="float32") as llm:
         done = llm.generate(TINY_PROMPTS[:3], params)
     assert all(c.finish_reason == "stop" for c in done), [(c.text, c.finish_reason) for c in done]
     jsonschema.validate(json.loads(done[0].text), TINY_SCHEMA)
@@ -201,7 +205,7 @@ def test_tiny_model_outputs_match_their_constraints(model: Path) -> None:
 
 
 def test_bad_constraints_are_refused_naming_the_problem(model: Path) -> None:
-    with LLM(model, device="cpu", dtype="float32") as llm:
+    with LLM(model, device=DEVICE, dtype="float32") as llm:
         for spec, words in (
             ({"json": {"type": "object", "properties": {"a": {"type": "strng"}}}}, "strng"),
             ({"json": {"type": "string", "format": "no-such-format"}}, "format"),
