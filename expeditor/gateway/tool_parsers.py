@@ -76,11 +76,22 @@ class ToolFormat:
 
     NAME: ClassVar[str]
     ARGUMENT_KEYS: ClassVar[tuple[str, ...]] = ("arguments",)
+    START: ClassVar[str] = "start: {calls}"
+    """The grammar's start rule; ``{calls}``: where the calls go."""
+    ITEM: ClassVar[str] = "call"
+    """The rule of one call as written (``call`` itself, or a block around it)."""
+    SEPARATOR: ClassVar[str]
+    """Between two calls."""
+    RULES: ClassVar[tuple[str, ...]] = ()
+    """The format's other rules (``call`` and its alternatives are added)."""
 
     def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
         """A Lark grammar (llguidance's) of one call, or with ``multiple`` one or
         more, of the ``tools`` (``{"name", "parameters"}`` each) in this format."""
-        raise NotImplementedError
+        calls = self.ITEM
+        if multiple:
+            calls += f" ({_lark_string(self.SEPARATOR)} {self.ITEM})*"
+        return "\n".join([self.START.format(calls=calls), *self.RULES, *self._call_rules(tools)])
 
     def _call_rules(self, tools: list[dict[str, Any]]) -> list[str]:
         """``call`` and its alternatives: ``{"name": "N", "<key>": <schema>}``."""
@@ -102,33 +113,24 @@ class Hermes(ToolFormat):
     NAME = "hermes"
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
-
-    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
-        more = ' ("\\n" block)*' if multiple else ""
-        return "\n".join(
-            [f"start: block{more}", 'block: "<tool_call>\\n" call "\\n</tool_call>"']
-            + self._call_rules(tools)
-        )
+    ITEM = "block"
+    SEPARATOR = "\n"
+    RULES = ('block: "<tool_call>\\n" call "\\n</tool_call>"',)
 
 
 class Llama3Json(ToolFormat):
     NAME = "llama3_json"
     ARGUMENT_KEYS = ("parameters", "arguments")
     TAG = "<|python_tag|>"
-
-    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
-        more = ' ("; " call)*' if multiple else ""
-        return "\n".join([f"start: call{more}"] + self._call_rules(tools))
+    SEPARATOR = "; "
 
 
 class Mistral(ToolFormat):
     NAME = "mistral"
     OPEN = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
-
-    def grammar(self, tools: list[dict[str, Any]], multiple: bool) -> str:
-        more = ' (", " call)*' if multiple else ""
-        return "\n".join([f'start: "[TOOL_CALLS][" call{more} "]"'] + self._call_rules(tools))
+    START = 'start: "[TOOL_CALLS][" {calls} "]"'
+    SEPARATOR = ", "
 
 
 PARSERS: dict[str, type[ToolFormat]] = {f.NAME: f for f in (Hermes, Llama3Json, Mistral)}
