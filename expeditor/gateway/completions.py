@@ -267,11 +267,9 @@ class ChatHandler(Handler):
             reader.feed(sample.text)
             content, calls = reader.parsed()
             calls = self.tool_plan.keep(calls)
-            message = {
-                "role": "assistant",
-                "content": content or None,
-                "tool_calls": [tool_call_body(call, call_id()) for call in calls],
-            }
+            message = {"role": "assistant", "content": content or None}
+            if calls:  # OpenAI leaves the key out when there are none
+                message["tool_calls"] = [tool_call_body(call, call_id()) for call in calls]
             reason = self._finish_reason(sample.finish_reason, bool(calls))
         return {
             "index": index,

@@ -29,13 +29,18 @@ to the tool's JSON schema), so forced calls read back with the same reader.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from expeditor.gateway.call_scanner import WHITESPACE as _WS
 from expeditor.gateway.call_scanner import ObjectScanner
 
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""OpenAI's rule for a function's name: a call named otherwise is not read as one."""
+
 __all__ = [
+    "NAME_PATTERN",
     "PARSERS",
     "ParsedCall",
     "ToolCallDelta",
@@ -174,13 +179,17 @@ class ToolCallReader:
     in_list, name (v11: a name up to [ARGS]), open_named."""
     name: str | None = None
     """Mistral v11: the name read before [ARGS]."""
-    held_ws: str = ""
+    held: list[str] = field(default_factory=list)
+    """Whitespace waiting for content to follow it (dropped at the end of an output
+    with calls)."""
     after_call: bool = False
     broken_at: int = 0
-    marker_ws: str = ""
-    """The whitespace held before that marker."""
     """Where the marker or separator read last starts: content from there if what
     follows breaks the format."""
+    scanned: int = 0
+    """Text from ``pos`` up to here is whitespace (:meth:`_solid` reads each once)."""
+    open_from: int = 0
+    """Calls before this index have sent everything they will."""
 
     def feed(self, more: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """Read ``more``: (new content, new call deltas). ``final``: the output ended
@@ -194,8 +203,8 @@ class ToolCallReader:
                 self._emit(out, self.text[self.pos :])
                 self.pos = len(self.text)
             if not self.calls:
-                out.append(self.held_ws)
-            self.held_ws = ""
+                out.extend(self.held)
+            self.held = []
         return "".join(out), self._deltas(final)
 
     def parsed(self) -> tuple[str, list[ParsedCall]]:
@@ -212,14 +221,22 @@ class ToolCallReader:
     # -- content -----------------------------------------------------------------------
 
     def _emit(self, out: list[str], piece: str) -> None:
-        piece = self.held_ws + piece
-        if self.after_call:
-            piece = piece.lstrip(_WS)
-            self.after_call = not piece
-        solid = piece.rstrip(_WS)
-        self.held_ws = piece[len(solid) :]
-        if solid:
-            out.append(solid)
+        """Content, its whitespace held until more content follows; the whitespace
+        right after a call is dropped when some came before it (one gap, not two)."""
+        rest = piece.lstrip(_WS)
+        lead = piece[: len(piece) - len(rest)]
+        if self.after_call and self.held:
+            lead = ""
+        if not rest:
+            if lead:
+                self.held.append(lead)
+            return
+        self.after_call = False
+        solid = rest.rstrip(_WS)
+        out.extend(self.held)
+        out.append(lead + solid)
+        trail = rest[len(solid) :]
+        self.held = [trail] if trail else []
 
     def _content_until(self, out: list[str], marker: str, final: bool) -> bool:
         """Send content up to ``marker`` (a possible start of it at the end held back);
@@ -228,7 +245,6 @@ class ToolCallReader:
         cut = text.find(marker, pos)
         if cut >= 0:
             self._emit(out, text[pos:cut])
-            self.marker_ws, self.held_ws = self.held_ws, ""
             self.broken_at = cut
             self.pos = cut + len(marker)
             return True
@@ -239,10 +255,13 @@ class ToolCallReader:
         return False
 
     def _solid(self) -> int:
-        """The first non-whitespace offset from ``pos`` (``len(text)`` if none)."""
-        pos = self.pos
-        while pos < len(self.text) and self.text[pos] in _WS:
+        """The first non-whitespace offset from ``pos`` (``len(text)`` if none); the
+        whitespace is read once however many feeds it takes to end."""
+        text = self.text
+        pos = max(self.pos, self.scanned)
+        while pos < len(text) and text[pos] in _WS:
             pos += 1
+        self.scanned = pos
         return pos
 
     def _waiting_for(self, marker: str, at: int, final: bool) -> bool:
@@ -271,8 +290,7 @@ class ToolCallReader:
 
     def _broken(self) -> None:
         """The format broke: content from the marker (or separator) read last."""
-        self.pos = self.broken_at
-        self.held_ws = self.marker_ws
+        self.pos = self.scanned = self.broken_at
         self.state = "plain"
 
     def _open(self, final: bool, named: bool) -> bool:
@@ -294,6 +312,10 @@ class ToolCallReader:
     def _read_object(self) -> bool:
         scanner = self.calls[-1].scanner
         scanner.feed(self.text, len(self.text))
+        if scanner.name is not None and not NAME_PATTERN.fullmatch(scanner.name):
+            self.calls.pop()  # not a function's name: not a call
+            self._broken()
+            return True
         if scanner.bad and scanner.name is not None:  # named: kept as read
             if scanner.in_args:
                 scanner.args_end = scanner.args_last
@@ -364,6 +386,9 @@ class ToolCallReader:
                     self._broken()
                 return False
             self.name = self.text[self.pos : cut].strip()
+            if not NAME_PATTERN.fullmatch(self.name):
+                self._broken()
+                return True
             self.pos = cut + len(Mistral.ARGS)
             self.state = "open_named"
             return True
@@ -395,8 +420,11 @@ class ToolCallReader:
         return True
 
     def _deltas(self, final: bool) -> list[ToolCallDelta]:
+        """What the calls still open added (calls that sent everything are skipped)."""
         deltas = []
-        for index, call in enumerate(self.calls):
+        calls, text = self.calls, self.text
+        for index in range(self.open_from, len(calls)):
+            call = calls[index]
             scanner = call.scanner
             if scanner.name is None:
                 continue
@@ -404,21 +432,35 @@ class ToolCallReader:
             if not call.name_sent:
                 call.name_sent = True
                 name = scanner.name
-            args = _arguments_text(self.text, scanner, scanner.end >= 0 or final)
-            arguments = args[call.sent :]
-            call.sent = max(call.sent, len(args))
+            start, end = _arguments_span(scanner, scanner.end >= 0 or final)
+            if start < 0:
+                arguments = "{}"[call.sent :] if end > 0 else ""
+            else:
+                arguments = text[start + call.sent : end]
+            call.sent += len(arguments)
             if name is not None or arguments:
                 deltas.append(ToolCallDelta(index, name, arguments))
+        while self.open_from < len(calls) and calls[self.open_from].scanner.end >= 0:
+            self.open_from += 1  # a finished call sent its last part just now
         return deltas
 
 
-def _arguments_text(text: str, scanner: ObjectScanner, done: bool) -> str:
-    """The call's arguments text read so far (its value, up to its last non-whitespace
-    character); a finished call without arguments has ``{}``."""
+def _arguments_span(scanner: ObjectScanner, done: bool) -> tuple[int, int]:
+    """(start, end) of the call's arguments read so far (up to their last
+    non-whitespace character); (-1, 1) for a finished call without arguments (its
+    arguments are ``{}``), (-1, -1) while none are read."""
     if scanner.args_start < 0:
-        return "{}" if done and scanner.end >= 0 else ""
+        return (-1, 1) if done and scanner.end >= 0 else (-1, -1)
     end = scanner.args_end if scanner.args_end >= 0 else scanner.args_last
-    return text[scanner.args_start : end]
+    return scanner.args_start, end
+
+
+def _arguments_text(text: str, scanner: ObjectScanner, done: bool) -> str:
+    """The call's arguments text read so far (``{}`` for a finished call without)."""
+    start, end = _arguments_span(scanner, done)
+    if start < 0:
+        return "{}" if end > 0 else ""
+    return text[start:end]
 
 
 def parse_tool_calls(format_name: str, text: str) -> tuple[str, list[ParsedCall]]:

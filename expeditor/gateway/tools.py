@@ -17,18 +17,15 @@ answer's first call only.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from expeditor.gateway.protocol import GatewayRequestError
-from expeditor.gateway.tool_parsers import ParsedCall, ToolFormat, tool_format
+from expeditor.gateway.tool_parsers import NAME_PATTERN, ParsedCall, ToolFormat, tool_format
 
 __all__ = ["ToolPlan", "call_id", "plan_tools", "tool_call_body"]
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""OpenAI's rule for a function's name."""
 WHITESPACE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
 """Forced arguments: JSON whitespace in runs of at most 24 characters (as
 ``structured_outputs`` JSON; unbounded, a small model can emit newlines to the end)."""
@@ -143,6 +140,10 @@ def _check_tool(index: int, tool: Any) -> str:
     if parameters is not None and not isinstance(parameters, dict):
         raise GatewayRequestError(
             f"{where}.function.parameters: expected a JSON schema object", param="tools"
+        )
+    if not isinstance((parameters or {}).get("x-guidance", {}), dict):
+        raise GatewayRequestError(
+            f"{where}.function.parameters: x-guidance must be an object", param="tools"
         )
     if function.get("strict") not in (None, True, False):
         raise GatewayRequestError(f"{where}.function.strict: expected a boolean", param="tools")

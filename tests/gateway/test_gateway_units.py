@@ -529,6 +529,8 @@ def test_tool_plans() -> None:
         (([{"type": "function"}], None, None, "hermes"), "tools", "tools[0]"),
         (([_tool("f", extra=1)], None, None, "hermes"), "tools", "unknown field 'extra'"),
         (([_tool("f", parameters=[])], None, None, "hermes"), "tools", "JSON schema object"),
+        (([_tool("f", parameters={"x-guidance": [1]})], "required", None, "hermes"), "tools",
+         "x-guidance"),
         (([_tool("f")], "auto", None, "none"), "tool_choice", "tool_call_parser"),
         (([_tool("f")], None, "yes", "hermes"), "parallel_tool_calls", "boolean"),
         ((None, {"type": "function", "function": {"name": "f"}}, None, "hermes"),

@@ -41,6 +41,13 @@ FIXED: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     # the format broken: content from the marker
     ("hermes", "see <tool_call>not json</tool_call>", "see <tool_call>not json</tool_call>", []),
     ("hermes", 'x <tool_call>{"id": 1}</tool_call>', 'x <tool_call>{"id": 1}</tool_call>', []),
+    # a name that is no function's (prose, a lone surrogate): not a call
+    ("hermes", '<tool_call>{"name": "not a tool!", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "not a tool!", "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    # content on both sides of a call keeps one gap
+    ("hermes", f"Use x <tool_call>{TIME}</tool_call> then y.", "Use x then y.", CALLS[1:]),
     # Llama 3: the whole output, ';' between calls, optional python tag
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
      '{"name": "get_time", "parameters": {"tz": "Asia/Tokyo"}}', "", CALLS),
@@ -53,6 +60,8 @@ FIXED: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}'
      '[TOOL_CALLS]get_time[ARGS]{"tz": "Asia/Tokyo"}', "", CALLS),
     ("mistral", "Plain [TOOLS] text", "Plain [TOOLS] text", []),
+    ("mistral", "[TOOL_CALLS]Sorry, I can't.\nHere: [ARGS]{}",
+     "[TOOL_CALLS]Sorry, I can't.\nHere: [ARGS]{}", []),
 ]  # fmt: skip
 
 
