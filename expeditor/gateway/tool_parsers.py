@@ -11,7 +11,11 @@ Formats (:data:`PARSERS`):
   {...}}`` (``arguments`` read too), several separated by ``;``, after an optional
   ``<|python_tag|>``; an output that does not start with ``{`` is content;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": ...}``
-  (v3 tokenizers) or ``name[ARGS]{...}`` per call (v11), content before it.
+  (v3 tokenizers) or ``name[ARGS]{...}`` per call (v11), content before it. The
+  scheduler's text skips special tokens, and ``[TOOL_CALLS]`` is one in Mistral's
+  tokenizers: an output that starts with a list of objects (``[{``) is read as calls
+  too. (v11's ``[ARGS]`` is special as well: that form is read only where the text has
+  its markers.)
 
 One incremental reader (:class:`ToolCallReader`) serves a whole response and a stream
 alike, so a streamed call's argument deltas join to exactly the whole response's
@@ -175,8 +179,9 @@ class ToolCallReader:
     """Text before this offset is decided (content sent, or part of a call)."""
     state: str = "content"
     """content | open (a call object starts here) | object (reading one) | after
-    (behind a call) | plain (content to the end); mistral also: list_or_name,
-    in_list, name (v11: a name up to [ARGS]), open_named."""
+    (behind a call) | plain (content to the end); mistral also: start (a list at
+    the very start?), list_or_name, in_list, name (v11: a name up to [ARGS]),
+    open_named."""
     name: str | None = None
     """Mistral v11: the name read before [ARGS]."""
     held: list[str] = field(default_factory=list)
@@ -190,6 +195,12 @@ class ToolCallReader:
     """Text from ``pos`` up to here is whitespace (:meth:`_solid` reads each once)."""
     open_from: int = 0
     """Calls before this index have sent everything they will."""
+    guessed: bool = False
+    """Mistral: reading a list at the start as calls without its marker."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fmt, Mistral):
+            self.state = "start"
 
     def feed(self, more: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """Read ``more``: (new content, new call deltas). ``final``: the output ended
@@ -291,7 +302,8 @@ class ToolCallReader:
     def _broken(self) -> None:
         """The format broke: content from the marker (or separator) read last."""
         self.pos = self.scanned = self.broken_at
-        self.state = "plain"
+        self.state = "content" if self.guessed else "plain"  # a marker may still come
+        self.guessed = False
 
     def _open(self, final: bool, named: bool) -> bool:
         """A call object must start at ``pos`` (after whitespace)."""
@@ -374,6 +386,19 @@ class ToolCallReader:
 
     def _step_mistral(self, out: list[str], final: bool) -> bool:
         state = self.state
+        if state == "start":  # [TOOL_CALLS] is a special token the text may lack
+            at = self._solid()
+            after = self.text[at + 1 : at + 64].lstrip(_WS)[:1]  # what follows a "["
+            bracket = self.text.startswith("[", at)
+            if not final and (at >= len(self.text) or (bracket and not after)):
+                return False
+            self.state = "content"
+            if bracket and after == "{":
+                self.broken_at = at
+                self.pos = at + 1
+                self.state = "in_list"
+                self.guessed = True
+            return True
         if state == "content":
             if not self._content_until(out, Mistral.OPEN, final):
                 return False

@@ -60,6 +60,10 @@ FIXED: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}'
      '[TOOL_CALLS]get_time[ARGS]{"tz": "Asia/Tokyo"}', "", CALLS),
     ("mistral", "Plain [TOOLS] text", "Plain [TOOLS] text", []),
+    # [TOOL_CALLS] is a special token the text may have lost: a list at the start
+    ("mistral", f" [{WEATHER}, {TIME}]", "", CALLS),
+    ("mistral", "[1, 2] and [link](x)", "[1, 2] and [link](x)", []),
+    ("mistral", f"[{{not json}}] then[TOOL_CALLS][{TIME}]", "[{not json}] then", CALLS[1:]),
     ("mistral", "[TOOL_CALLS]Sorry, I can't.\nHere: [ARGS]{}",
      "[TOOL_CALLS]Sorry, I can't.\nHere: [ARGS]{}", []),
 ]  # fmt: skip
