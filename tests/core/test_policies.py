@@ -387,3 +387,15 @@ def test_auto_recomputes_on_a_tie() -> None:
     assert model.swap_seconds(2) == model.recompute_seconds(4) == 4.0
     assert model.choose(victim(2, 4), cpu_free_blocks=2) == "recompute"
     assert model.choose(victim(2, 5), cpu_free_blocks=2) == "swap"
+
+
+def test_a_clients_unfinished_requests_are_counted_over_every_term() -> None:
+    """The per-user cap's count: arrivals in, departures out, per client, whatever the
+    priority term; a client with none (or never seen) has 0."""
+    rounds = FairShareRounds()
+    for term, client in [(0.0, "a"), (0.0, "a"), (1.0, "a"), (0.0, "b")]:
+        rounds.arrive(term, client)
+    assert (rounds.unfinished("a"), rounds.unfinished("b"), rounds.unfinished("c")) == (3, 1, 0)
+    rounds.depart(0.0, "a")
+    rounds.depart(0.0, "b")
+    assert (rounds.unfinished("a"), rounds.unfinished("b")) == (2, 0)

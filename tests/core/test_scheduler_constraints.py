@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from support.harness import Harness
 
+from ipc.schema import ErrorCode
 from scheduler_svc.core.request import RejectedError
 from shared.sampling import SamplingParams
 
@@ -88,7 +89,10 @@ def test_a_complete_match_or_a_refused_token_ends_the_sample() -> None:
     h = Harness()
     done = add(h, "done", 5, Recording(done_after=3), max_tokens=10, ignore_eos=True)
     refused = add(h, "refused", 5, Recording(refuse=2), max_tokens=10, ignore_eos=True)
-    h.run()
+    ended = []
+    while h.engine.has_work():
+        ended += h.step().finished_seqs  # what the output path learns of each end
+    assert sorted(ended) == [("done", 0, "stop"), ("refused", 0, "stop")]
     assert [len(done.seqs[0].output_token_ids), done.seqs[0].finish_reason] == [3, "stop"]
     # the refused token is the output's last: it was drawn, then the match could not go on
     assert [len(refused.seqs[0].output_token_ids), refused.seqs[0].finish_reason] == [3, "stop"]
@@ -96,7 +100,10 @@ def test_a_complete_match_or_a_refused_token_ends_the_sample() -> None:
 
 def test_a_constraint_goes_with_structured_outputs_and_only_with_them() -> None:
     h = Harness()
-    with pytest.raises(RejectedError, match="structured_outputs"):
+    message = r"^structured_outputs: a constraint goes with them and only with them$"
+    with pytest.raises(RejectedError, match=message) as info:
         h.sched.add_request("a", [1, 2], SamplingParams(**JSON))  # type: ignore[arg-type]
-    with pytest.raises(RejectedError, match="structured_outputs"):
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(RejectedError, match=message) as info:
         h.sched.add_request("b", [1, 2], SamplingParams(), constraint=Recording())
+    assert info.value.code == ErrorCode.BAD_REQUEST

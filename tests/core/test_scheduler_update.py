@@ -14,7 +14,7 @@ from support.harness import Harness
 from ipc.schema import SeqStatus, StepResult
 from scheduler_svc.core.introspection import check_invariants
 from scheduler_svc.core.step_records import StepOutput, WorkerProtocolError
-from shared.outputs import FinishReason
+from shared.outputs import FinishReason, PromptLogprobs
 
 STOP = 7
 OTHER = 9
@@ -116,3 +116,21 @@ def test_a_fork_step_must_sample_every_sample(tokens: list[int]) -> None:
     result = StepResult(step=plan.step, sampled_token_ids={"r/0": tokens})
     with pytest.raises(WorkerProtocolError, match=r"^r/0: expected 3 sampled tokens, got "):
         h.sched.update(result)
+
+
+def test_prompt_logprobs_are_reported_under_their_request() -> None:
+    """A step's prompt logprobs go out keyed by the request of the sequence that
+    computed them; those of a sequence the core no longer has are dropped."""
+    h = Harness()
+    h.add("r", 6, max_tokens=2, prompt_logprobs=1)
+    plan = h.sched.schedule()
+    assert plan is not None
+    chunk = PromptLogprobs(first=1, entries=[{5: -0.5}] * 5, ranks=[1] * 5)
+    stale = PromptLogprobs(first=1, entries=[{5: -0.1}], ranks=[1])
+    result = StepResult(
+        step=plan.step,
+        sampled_token_ids={"r": [OTHER]},
+        prompt_logprobs={"r": chunk, "gone": stale},
+    )
+    outcome = h.sched.update(result)
+    assert outcome.prompt_logprobs == [("r", chunk)]

@@ -129,30 +129,40 @@ def test_parallel_tool_calls_false_gives_one_call(served) -> None:
     assert reply.choices[0].finish_reason == "tool_calls"
 
 
-REPEAT = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}\n'
-    "</tool_call>"
-)
-COPY = [
-    {"role": "system", "content": "You copy text exactly."},
-    {"role": "user", "content": "Repeat exactly, with nothing else:\n" + REPEAT},
-]
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+TIME_CALL = {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo"}}
+BOTH = (WEATHER_CALL, TIME_CALL)
+REPEAT = {
+    "hermes": "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in BOTH),
+    "llama3_json": "; ".join(
+        json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in BOTH
+    ),
+    "mistral": "[TOOL_CALLS]" + json.dumps(list(BOTH)),
+}
+"""Two calls as each format writes them, for the model to copy."""
 
 
-def test_auto_reads_the_calls_the_model_writes(served) -> None:
+def copy(fmt: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": "You copy text exactly."},
+        {"role": "user", "content": "Repeat exactly, with nothing else:\n" + REPEAT[fmt]},
+    ]
+
+
+def check_auto(client: openai.OpenAI, fmt: str) -> None:
     """The model (asked to copy two calls) writes them; auto reads exactly what the
-    same request without reading (tool_choice none) shows as plain text."""
-    client, _ = served
+    same request without reading (tool_choice none) shows as plain text, whole and
+    streamed."""
+    ask = copy(fmt)
     plain = client.chat.completions.create(
-        model=NAME, messages=COPY, tools=TOOLS, tool_choice="none", max_tokens=120, temperature=0
+        model=NAME, messages=ask, tools=TOOLS, tool_choice="none", max_tokens=120, temperature=0
     )
     text = plain.choices[0].message.content
     assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.tool_calls is None
-    content, expected = parse_tool_calls("hermes", text)
+    content, expected = parse_tool_calls(fmt, text)
     assert len(expected) >= 2, text  # several calls in one answer
     reply = client.chat.completions.create(
-        model=NAME, messages=COPY, tools=TOOLS, max_tokens=120, temperature=0
+        model=NAME, messages=ask, tools=TOOLS, max_tokens=120, temperature=0
     )
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "tool_calls"
@@ -163,15 +173,36 @@ def test_auto_reads_the_calls_the_model_writes(served) -> None:
     for call in message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     calls, streamed_content, finish = streamed(
-        client, messages=COPY, tools=TOOLS, tool_choice="auto", max_tokens=120, temperature=0
+        client, messages=ask, tools=TOOLS, tool_choice="auto", max_tokens=120, temperature=0
     )
     assert [(c["name"], c["args"]) for c in calls] == [(c.name, c.arguments) for c in expected]
     assert (streamed_content, finish) == (content, "tool_calls")
-    # without tools the same text is content
+
+
+def test_auto_reads_the_calls_the_model_writes(served) -> None:
+    client, _ = served
+    check_auto(client, "hermes")
+    # without tools the same server answers with content
     bare = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0
     )
     assert bare.choices[0].finish_reason in ("stop", "length") and bare.choices[0].message.content
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+def test_the_other_formats_end_to_end(fmt: str) -> None:
+    """With --tool-call-parser FMT: auto reads calls written in FMT, and a forced call
+    is written in FMT and validates."""
+    flags = ("--max-num-seqs", "4", "--chat-template", str(TEMPLATE), "--tool-call-parser", fmt)
+    with running_http_serve(Path(NAME), *flags, timeout_s=300) as (_, url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        check_auto(client, fmt)
+        reply = client.chat.completions.create(
+            model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160,
+            temperature=0, parallel_tool_calls=False,
+        )  # fmt: skip
+        (call,) = reply.choices[0].message.tool_calls
+        check_calls([call], reply.choices[0].finish_reason)
 
 
 def test_tools_and_a_tool_conversation_render_as_transformers_does(served) -> None:
