@@ -54,6 +54,7 @@ SERVE_GATEWAY_FIELDS = (
     "api_key_file",
     "served_model_name",
     "chat_template",
+    "tool_call_parser",
     "max_body_bytes",
     "scheduler_timeout_s",
 )
