@@ -23,13 +23,12 @@ __all__ = ["NgramIndex"]
 class NgramIndex:
     """One sequence's n-gram index over its tokens (prompt, then accepted outputs)."""
 
-    __slots__ = ("max_n", "min_n", "tables", "tokens")
+    __slots__ = ("min_n", "tables", "tokens")
 
     def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n = min_n
-        self.max_n = max_n
         self.tokens: list[int] = []
         self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
         """``tables[n - min_n]``: n-gram -> the position its latest continuation starts."""
@@ -52,10 +51,8 @@ class NgramIndex:
         of n tokens that occurred before; [] when none did."""
         own = self.tokens
         for offset in range(len(self.tables) - 1, -1, -1):
-            n = self.min_n + offset
-            if len(own) < n + 1:
-                continue
-            start = self.tables[offset].get(tuple(own[-n:]))
+            # (a suffix as long as the sequence is in no table: nothing followed it)
+            start = self.tables[offset].get(tuple(own[-(self.min_n + offset) :]))
             if start is not None:
                 return own[start : start + k]
         return []
@@ -63,7 +60,7 @@ class NgramIndex:
     def fork(self) -> NgramIndex:
         """An independent copy (an n>1 sample's)."""
         child = NgramIndex.__new__(NgramIndex)
-        child.min_n, child.max_n = self.min_n, self.max_n
+        child.min_n = self.min_n
         child.tokens = list(self.tokens)
         child.tables = [dict(table) for table in self.tables]
         return child

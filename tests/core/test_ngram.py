@@ -56,3 +56,12 @@ def test_a_repeated_phrase_is_proposed_and_forks_are_independent() -> None:
     assert NgramIndex([1, 2, 3]).propose(4) == []
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex(min_n=3, max_n=2)
+
+
+def test_the_default_sizes_are_one_to_four() -> None:
+    """A lone repeated token is proposed from (min_n 1); of two earlier matches the
+    latest 4-gram wins over an older 5-gram (max_n 4)."""
+    assert NgramIndex([5, 9, 5]).propose(2) == [9, 5]
+    tokens = [1, 2, 3, 4, 5, 7, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5]
+    assert NgramIndex(tokens).propose(1) == [8]
+    assert NgramIndex(tokens, max_n=5).propose(1) == [7]
