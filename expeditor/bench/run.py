@@ -149,7 +149,7 @@ def run_bench(
     """``dtype``: every target but ``openai`` (a server keeps its own) computes in it,
     unless its brackets say otherwise (``expeditor[dtype=float32]``)."""
     results = []
-    constrained = any(r.structured_outputs is not None for r in workload.requests)
+    constrained = workload.constrained
     lengths: dict[str, int] | None = None
     source: str | None = None
     """The first constrained target's output lengths (constraints=off replays them)."""

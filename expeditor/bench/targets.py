@@ -63,7 +63,7 @@ def _structured(req: BenchRequest) -> StructuredOutput | None:
 
 def refuse_constraints(workload: Workload, target: str) -> None:
     """A target that cannot constrain outputs refuses a workload with constraints."""
-    if any(r.structured_outputs is not None for r in workload.requests):
+    if workload.constrained:
         raise TargetError(
             f"{target} cannot constrain outputs (the {workload.name} workload's requests "
             "carry structured_outputs); give it constraints=off"

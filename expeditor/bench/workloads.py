@@ -97,6 +97,11 @@ class Workload(msgspec.Struct, frozen=True):
         return len(self.requests)
 
     @property
+    def constrained(self) -> bool:
+        """Whether some request carries structured outputs (the json workload)."""
+        return any(request.structured_outputs is not None for request in self.requests)
+
+    @property
     def total_prompt_tokens(self) -> int:
         return sum(len(request.prompt_token_ids) for request in self.requests)
 

@@ -20,7 +20,6 @@ class ObjectScanner:
     string and where the value of its arguments key starts and ends."""
 
     def __init__(self, start: int, argument_keys: tuple[str, ...], name: str | None = None) -> None:
-        self.start = start  # the '{'
         self.whole = name is not None
         """Mistral v11: the name came before the object, which is the arguments."""
         self.pos = start + 1

@@ -27,7 +27,7 @@ from expeditor.gateway.responses import (
     join_logprobs,
     sse,
 )
-from expeditor.gateway.tool_parsers import ToolCallDelta, ToolCallReader
+from expeditor.gateway.tool_parsers import ToolCallDelta, ToolCallReader, parse_tool_calls
 from expeditor.gateway.tools import ToolPlan, call_id, plan_tools, tool_call_body
 from ipc.async_client import ClientCompletion
 from ipc.errors import ServerError
@@ -171,9 +171,14 @@ class ChatHandler(Handler):
         self.params = body.check(self.model.encode_text, grammar)
         n = self.params.n
         check_batch(1, n, config)
-        reads_calls = plan is not None and plan.reads_calls
-        self.readers = [ToolCallReader(plan.format) for _ in range(n)] if reads_calls else []  # type: ignore[arg-type]
-        """Per choice, with tools: its output read for calls as it streams."""
+        self.calls_format = plan.format if plan is not None and plan.reads_calls else None
+        """The format calls are read in (None: the output is plain content)."""
+        self.readers = (
+            [ToolCallReader(self.calls_format) for _ in range(n)]
+            if body.stream and self.calls_format
+            else []
+        )
+        """Streaming with tools: per choice, its output read for calls as it arrives."""
         self.call_ids: dict[tuple[int, int], str] = {}
         text = await render_messages(
             self.model.template(),
@@ -261,12 +266,10 @@ class ChatHandler(Handler):
         logprobs = sample.logprobs
         message: dict[str, Any] = {"role": "assistant", "content": sample.text}
         reason = str(sample.finish_reason)
-        if self.readers:
+        if self.calls_format is not None:
             assert self.tool_plan is not None
-            reader = ToolCallReader(self.tool_plan.format)  # type: ignore[arg-type]
-            reader.feed(sample.text)
-            content, calls = reader.parsed()
-            calls = self.tool_plan.keep(calls)
+            content, calls = parse_tool_calls(self.calls_format, sample.text)
+            calls = [call for i, call in enumerate(calls) if self.tool_plan.keeps(i)]
             message = {"role": "assistant", "content": content or None}
             if calls:  # OpenAI leaves the key out when there are none
                 message["tool_calls"] = [tool_call_body(call, call_id()) for call in calls]
@@ -285,11 +288,9 @@ class ChatHandler(Handler):
         """Streaming with tools: the delta's content and ``delta.tool_calls`` entries."""
         reader = self.readers[index]
         content, calls = reader.feed(delta.text, final=delta.finish_reason is not None)
-        return content, [self._call_delta(index, call) for call in self._kept(calls)]
-
-    def _kept(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
         assert self.tool_plan is not None
-        return calls if self.tool_plan.parallel else [c for c in calls if c.index == 0]
+        keeps = self.tool_plan.keeps
+        return content, [self._call_delta(index, call) for call in calls if keeps(call.index)]
 
     def _call_delta(self, choice: int, call: ToolCallDelta) -> dict[str, Any]:
         if call.name is None:

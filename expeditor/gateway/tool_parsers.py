@@ -218,17 +218,6 @@ class ToolCallReader:
             self.held = []
         return "".join(out), self._deltas(final)
 
-    def parsed(self) -> tuple[str, list[ParsedCall]]:
-        """Everything fed so far, read as one whole output: (content, calls)."""
-        reader = ToolCallReader(self.fmt)
-        content, _ = reader.feed(self.text, final=True)
-        calls = [
-            ParsedCall(c.scanner.name, _arguments_text(reader.text, c.scanner, True))
-            for c in reader.calls
-            if c.scanner.name is not None
-        ]
-        return content, calls
-
     # -- content -----------------------------------------------------------------------
 
     def _emit(self, out: list[str], piece: str) -> None:
@@ -457,11 +446,7 @@ class ToolCallReader:
             if not call.name_sent:
                 call.name_sent = True
                 name = scanner.name
-            start, end = _arguments_span(scanner, scanner.end >= 0 or final)
-            if start < 0:
-                arguments = "{}"[call.sent :] if end > 0 else ""
-            else:
-                arguments = text[start + call.sent : end]
+            arguments = _arguments(text, scanner, call.sent, scanner.end >= 0 or final)
             call.sent += len(arguments)
             if name is not None or arguments:
                 deltas.append(ToolCallDelta(index, name, arguments))
@@ -470,26 +455,23 @@ class ToolCallReader:
         return deltas
 
 
-def _arguments_span(scanner: ObjectScanner, done: bool) -> tuple[int, int]:
-    """(start, end) of the call's arguments read so far (up to their last
-    non-whitespace character); (-1, 1) for a finished call without arguments (its
-    arguments are ``{}``), (-1, -1) while none are read."""
+def _arguments(text: str, scanner: ObjectScanner, sent: int, done: bool) -> str:
+    """The call's arguments text read so far, from character ``sent`` (up to its last
+    non-whitespace character); a finished call that gave none has ``{}``."""
     if scanner.args_start < 0:
-        return (-1, 1) if done and scanner.end >= 0 else (-1, -1)
+        return "{}"[sent:] if done and scanner.end >= 0 else ""
     end = scanner.args_end if scanner.args_end >= 0 else scanner.args_last
-    return scanner.args_start, end
+    return text[scanner.args_start + sent : end]
 
 
-def _arguments_text(text: str, scanner: ObjectScanner, done: bool) -> str:
-    """The call's arguments text read so far (``{}`` for a finished call without)."""
-    start, end = _arguments_span(scanner, done)
-    if start < 0:
-        return "{}" if end > 0 else ""
-    return text[start:end]
-
-
-def parse_tool_calls(format_name: str, text: str) -> tuple[str, list[ParsedCall]]:
-    """A whole output's (content, tool calls) in format ``format_name``."""
-    reader = ToolCallReader(tool_format(format_name))
-    reader.feed(text, final=True)
-    return reader.parsed()
+def parse_tool_calls(fmt: ToolFormat | str, text: str) -> tuple[str, list[ParsedCall]]:
+    """A whole output's (content, tool calls), in one pass of the reader that streams
+    (so a stream's deltas join to exactly this)."""
+    reader = ToolCallReader(tool_format(fmt) if isinstance(fmt, str) else fmt)
+    content, _ = reader.feed(text, final=True)
+    calls = [
+        ParsedCall(c.scanner.name, _arguments(reader.text, c.scanner, 0, True))
+        for c in reader.calls
+        if c.scanner.name is not None
+    ]
+    return content, calls

@@ -65,9 +65,10 @@ class ToolPlan:
         ]
         return self.format.grammar(schemas, multiple=self.choice == "required" and self.parallel)
 
-    def keep(self, calls: list[Any]) -> list[Any]:
-        """The calls a response carries (the first only without parallel calls)."""
-        return calls if self.parallel else calls[:1]
+    def keeps(self, index: int) -> bool:
+        """Whether a response carries call ``index`` (the first only without parallel
+        calls)."""
+        return self.parallel or index == 0
 
 
 def _bounded(schema: dict[str, Any]) -> dict[str, Any]:

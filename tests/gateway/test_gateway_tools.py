@@ -118,8 +118,8 @@ def test_required_and_named_calls_validate_whole_and_streamed(served) -> None:
         assert (content, finish) == ("", whole.choices[0].finish_reason)
 
 
-def test_parallel_tool_calls_false_gives_one_call(served) -> None:
-    client, _ = served
+def check_one_forced_call(client: openai.OpenAI) -> None:
+    """tool_choice required without parallel calls: exactly one call, complete, valid."""
     reply = client.chat.completions.create(
         model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160,
         temperature=0, parallel_tool_calls=False,
@@ -127,6 +127,10 @@ def test_parallel_tool_calls_false_gives_one_call(served) -> None:
     (call,) = reply.choices[0].message.tool_calls
     check_calls([call], reply.choices[0].finish_reason)
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_gives_one_call(served) -> None:
+    check_one_forced_call(served[0])
 
 
 WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -197,12 +201,7 @@ def test_the_other_formats_end_to_end(fmt: str) -> None:
     with running_http_serve(Path(NAME), *flags, timeout_s=300) as (_, url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         check_auto(client, fmt)
-        reply = client.chat.completions.create(
-            model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160,
-            temperature=0, parallel_tool_calls=False,
-        )  # fmt: skip
-        (call,) = reply.choices[0].message.tool_calls
-        check_calls([call], reply.choices[0].finish_reason)
+        check_one_forced_call(client)
 
 
 def test_tools_and_a_tool_conversation_render_as_transformers_does(served) -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from expeditor.gateway.tool_parsers import PARSERS, ParsedCall, ToolCallReader, tool_format
+from expeditor.gateway.tool_parsers import PARSERS, ToolCallReader, parse_tool_calls, tool_format
 from gpu_worker.model_source import resolve_model
 from scheduler_svc.structured_output import GrammarCompiler
 from shared.structured_output import StructuredOutput
@@ -70,9 +70,7 @@ FIXED: list[tuple[str, str, str, list[tuple[str, str]]]] = [
 
 
 def read_whole(fmt: str, text: str) -> tuple[str, list[tuple[str, str]]]:
-    reader = ToolCallReader(tool_format(fmt))
-    reader.feed(text, final=True)
-    content, calls = reader.parsed()
+    content, calls = parse_tool_calls(fmt, text)
     return content, [(c.name, c.arguments) for c in calls]
 
 
@@ -212,7 +210,7 @@ def test_the_forcing_grammar_takes_calls_the_reader_reads(
     grammar = tool_format(fmt).grammar(TOOLS, multiple=True)
     both = written(one, two)
     assert accepts(compiler, grammar, both)
-    assert [c.name for c in read_parsed(fmt, both)] == [
+    assert [c.name for c in parse_tool_calls(fmt, both)[1]] == [
         "get_weather",
         "get_time",
     ]
@@ -224,9 +222,3 @@ def test_the_forcing_grammar_takes_calls_the_reader_reads(
     extra = {"name": "get_weather", key: {"city": "Paris", "unit": "c", "x": 1}}
     assert not accepts(compiler, grammar, written(extra))
     assert not accepts(compiler, grammar, written({"name": "get_news", key: {}}))
-
-
-def read_parsed(fmt: str, text: str) -> list[ParsedCall]:
-    reader = ToolCallReader(tool_format(fmt))
-    reader.feed(text, final=True)
-    return reader.parsed()[1]
