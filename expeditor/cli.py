@@ -88,6 +88,15 @@ def simulate(
             "step_time_us times."
         ),
     ] = False,
+    proposal_acceptance: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="With --num-speculative-tokens: decodes propose tokens that are the fake "
+            "model's with this probability (unset: prompt lookup, as served).",
+        ),
+    ] = None,
     *,
     config_overrides: dict[str, Any],
 ) -> None:
@@ -118,6 +127,7 @@ def simulate(
         kv_bytes_per_block=kv_bytes_per_block,
         verify_kv=verify_kv,
         check_invariants=check_invariants,
+        proposal_acceptance=proposal_acceptance,
     )
     try:
         result = sim.run(on_step)

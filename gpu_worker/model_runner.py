@@ -203,7 +203,7 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
-        self.state = WorkerState()
+        self.state = WorkerState(block_size)
 
     @property
     def vocab_size(self) -> int:

@@ -94,6 +94,9 @@ class ScheduledSeq:
     num_samples: int
     """0 unless the step reaches the end of the known tokens (a non-final prefill chunk
     samples nothing); then 1, or n on the step that forks an n>1 request."""
+    num_proposed: int = 0
+    """Of the tokens computed, the last ones that were proposed (speculative decoding):
+    the model draws a token at each of the ``num_proposed + 1`` last positions."""
 
     @property
     def end(self) -> int:
@@ -114,9 +117,11 @@ class ScheduledSeq:
 
 
 class WorkerState:
-    """Every sequence a worker holds, updated plan by plan."""
+    """Every sequence a worker holds, updated plan by plan (``block_size``: tokens per
+    KV block, by which a speculating sequence's table is cut back after its step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.seqs: dict[str, WorkerSeq] = {}
         self.params: dict[str, tuple[SamplingParams, int]] = {}
         """Request id -> its sampling parameters and how many held sequences use them."""
@@ -163,6 +168,20 @@ class WorkerState:
         for seq_id in plan.num_samples:
             if seq_id not in plan.num_scheduled_tokens:
                 raise WorkerStateError(f"plan samples unscheduled sequence {seq_id!r}")
+        for seq_id, proposal in plan.proposals.items():
+            seq = self.get(seq_id)
+            scheduled = plan.num_scheduled_tokens.get(seq_id, 0)
+            if (
+                not proposal
+                or seq_id in plan.num_samples
+                or scheduled != 1 + len(proposal)
+                or seq.num_computed_tokens + 1 != len(seq.token_ids)
+            ):
+                raise WorkerStateError(
+                    f"{seq_id!r}: a proposal of {len(proposal)} tokens with {scheduled} "
+                    f"scheduled at {seq.num_computed_tokens} of {len(seq.token_ids)}"
+                )
+            seq.token_ids.extend(proposal)  # computed now, replaced by the result
         return [self._schedule(plan, seq_id, n) for seq_id, n in plan.num_scheduled_tokens.items()]
 
     def _hold(self, new: NewSeq) -> SamplingParams:
@@ -200,13 +219,28 @@ class WorkerState:
                 f"{seq_id!r}: {plan.num_samples[seq_id]} samples asked at {start + num_tokens} "
                 f"of {known} tokens"
             )
-        return ScheduledSeq(seq, start, num_tokens, num_samples)
+        proposal = plan.proposals.get(seq_id)
+        return ScheduledSeq(seq, start, num_tokens, num_samples, len(proposal or ()))
 
-    def append_sampled(self, sampled: Mapping[str, list[int]]) -> None:
+    def append_sampled(
+        self,
+        sampled: Mapping[str, list[int]],
+        proposals: Mapping[str, list[int]] | None = None,
+    ) -> None:
         """Append each sequence's own sampled token (the first; forked samples are new
-        sequences the scheduler sends in a later plan)."""
+        sequences the scheduler sends in a later plan); a speculating one's proposal
+        (``proposals``) gives way to its tokens, the accepted proposals and the one
+        after them, and only what those computed stays computed."""
         for seq_id, tokens in sampled.items():
             seq = self.get(seq_id)
             if seq.num_computed_tokens != len(seq.token_ids) or not tokens:
                 raise WorkerStateError(f"{seq_id!r}: sampled a token where none was due")
-            seq.token_ids.append(tokens[0])
+            proposal = proposals.get(seq_id) if proposals else None
+            if proposal is None:
+                seq.token_ids.append(tokens[0])
+                continue
+            del seq.token_ids[len(seq.token_ids) - len(proposal) :]
+            seq.token_ids.extend(tokens)
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            keep = -(-seq.num_computed_tokens // self.block_size)  # blocks it fills
+            del seq.block_ids[keep:]

@@ -196,6 +196,14 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True, tag="plan", tag_field
     """(source device block, destination device block) copy-on-write, done before the forward."""
     num_samples: dict[str, int] = {}
     """Sequences that must return more than one sampled token (the n>1 fork step)."""
+    proposals: dict[str, list[int]] = {}
+    """Speculative decoding: per speculating sequence, the tokens proposed after its
+    last known one. They are computed after it in this step (``num_scheduled_tokens``
+    counts them); the sequence's result is the longest run of them that equals the
+    model's draws at their positions, then the draw after that run. The worker then
+    holds the sequence's known tokens (the proposals dropped, the result appended),
+    all but the last computed, and block table entries for those only: the scheduler
+    releases the rest."""
     token_masks: dict[str, bytes] = {}
     """Structured output: per constrained sequence that samples, its allowed tokens
     (bit ``t % 32`` of little-endian int32 word ``t // 32``; every sample of a fork
@@ -235,13 +243,15 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_fi
     """What the worker sampled in one step.
 
     Only sequences whose scheduled tokens reached the end of their known tokens are
-    sampled (a non-final prefill chunk produces nothing).
+    sampled (a non-final prefill chunk produces nothing). A sequence gets one token, or
+    one per sample on its fork step (``num_samples``), or, when it had proposals, its
+    accepted ones and the token after them.
     """
 
     step: int
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None
-    """Per sequence, per sampled token: token id -> logprob (sampled + top-k)."""
+    """Per sequence, per token it got: token id -> logprob (sampled + top-k)."""
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     """Per sequence whose request asked for them: the prompt positions this step's
     chunk computed the logprobs of (a recomputed prefill sends them again)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 
-from ipc.plan_state import WorkerSeq, WorkerState, WorkerStateError
+from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, WorkerStateError
 from ipc.schema import BatchPlan, StepResult
+from scheduler_svc.core.request import Sequence
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
@@ -94,6 +95,38 @@ class FakeModel:
                 return out, FinishReason.LENGTH
 
 
+class FakeProposer:
+    """Speculative decoding's proposals for the fake model: each proposed token is the
+    model's own with probability ``acceptance`` (a pure function of the sequence and
+    position, like the model), else a token it would not produce there; proposals have
+    ``length`` tokens at most (None: as many as asked)."""
+
+    def __init__(self, model: FakeModel, acceptance: float, length: int | None = None) -> None:
+        self.model = model
+        self.acceptance = acceptance
+        self.length = length
+        self.proposed = 0
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        model = self.model
+        request = seq.request
+        k = k if self.length is None else min(k, self.length)
+        proposal: list[int] = []
+        for offset in range(k):
+            num_output = seq.num_output_tokens + offset
+            token = model.next_token(
+                request.request_id, seq.sample_index, num_output, request.params.min_tokens
+            )
+            draw = _mix(zlib.crc32(f"{seq.seq_id}\0{num_output}".encode())) % 1000
+            if draw >= self.acceptance * 1000:
+                token = model.FIRST_TOKEN + (token + 1 - model.FIRST_TOKEN) % (
+                    model.vocab_size - model.FIRST_TOKEN
+                )
+            proposal.append(token)
+        self.proposed += len(proposal)
+        return proposal
+
+
 class FakeWorker:
     def __init__(
         self,
@@ -109,7 +142,7 @@ class FakeWorker:
         self.verify_kv = verify_kv
         self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
         self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
-        self.state = WorkerState()
+        self.state = WorkerState(block_size)
         self.swapped_blocks = 0
 
     @property
@@ -147,7 +180,9 @@ class FakeWorker:
                 self._verify(item.seq, item.end)
 
         sampled = {
-            item.seq.seq_id: [
+            item.seq.seq_id: self._verified(item, plan.proposals[item.seq.seq_id])
+            if item.num_proposed
+            else [
                 self.model.next_token(
                     item.seq.request_id,
                     index,
@@ -159,8 +194,23 @@ class FakeWorker:
             for item in batch
             if item.num_samples
         }
-        self.state.append_sampled(sampled)
+        self.state.append_sampled(sampled, plan.proposals)
         return StepResult(step=plan.step, sampled_token_ids=sampled)
+
+    def _verified(self, item: ScheduledSeq, proposal: list[int]) -> list[int]:
+        """A speculating sequence's tokens: the model's at each position while they
+        equal the proposal, then the first that does not (or the one after it all)."""
+        seq = item.seq
+        known_outputs = seq.num_output_tokens - len(proposal)
+        tokens: list[int] = []
+        for position in range(len(proposal) + 1):
+            token = self.model.next_token(
+                seq.request_id, seq.sample_index, known_outputs + position, seq.sampling.min_tokens
+            )
+            tokens.append(token)
+            if position == len(proposal) or token != proposal[position]:
+                break
+        return tokens
 
     def _verify(self, seq: WorkerSeq, context_len: int) -> None:
         kv = self.gpu_kv

@@ -193,7 +193,7 @@ class OutputProcessor:
         # Decode every sample's window in one batch, then advance each detokenizer.
         pending: list[tuple[ClientRequest, int, str, int, IncrementalDetokenizer, Logprobs]] = []
         windows: list[list[int]] = []
-        for request_id, index, seq_id, token in output.tokens:
+        for at, (request_id, index, seq_id, token) in enumerate(output.tokens):
             req = self.requests.get(request_id)
             if req is None:
                 continue
@@ -206,7 +206,7 @@ class OutputProcessor:
             elif req.last_token != now:  # once per request and step (n > 1: per sample)
                 itl.observe(now - req.last_token)  # type: ignore[operator]  # set with first
             req.last_token = now
-            entry = output.logprobs.get(seq_id)
+            entry = output.logprobs.get(at)
             if entry is not None:
                 req.logprobs.setdefault(index, []).append(entry)
             if (window := detok.push(token)) is not None:  # None: decoded at the end

@@ -29,7 +29,7 @@ import msgspec
 
 from scheduler_svc.core.request import RejectedError
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.fake_worker import FakeModel, FakeProposer, FakeWorker
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
@@ -119,7 +119,11 @@ class Simulation:
         check_invariants: bool = True,
         max_steps: int | None = None,
         overlap: bool = False,
+        proposal_acceptance: float | None = None,
     ) -> None:
+        """``proposal_acceptance``: with ``num_speculative_tokens``, decodes propose
+        through :class:`~scheduler_svc.fake_worker.FakeProposer`, whose tokens are the
+        fake model's with this probability (None: prompt lookup, as served)."""
         if config.num_gpu_blocks is None:
             raise ValueError("simulation needs num_gpu_blocks")
         self.trace = sorted(trace, key=lambda r: r.arrival_step)
@@ -127,7 +131,12 @@ class Simulation:
         self.config = config
         self.model = FakeModel(eos_at={r.id: r.eos_at for r in trace if r.eos_at is not None})
         self.scheduler = Scheduler(
-            config, eos_token_ids=[self.model.eos_token_id], kv_bytes_per_block=kv_bytes_per_block
+            config,
+            eos_token_ids=[self.model.eos_token_id],
+            kv_bytes_per_block=kv_bytes_per_block,
+            proposer=None
+            if proposal_acceptance is None
+            else FakeProposer(self.model, proposal_acceptance),
         )
         self.worker = FakeWorker(
             self.model,
@@ -235,6 +244,11 @@ class Simulation:
                 str(p): {"max": max(w), "p99": percentile(w, 99)} for p, w in sorted(waits.items())
             },
             "step_time_us": summarize(micros) or {"mean": 0.0, "p50": 0.0, "p99": 0.0},
+            "speculation": {
+                "proposals": sched.speculation.num_drafts,
+                "proposed_tokens": sched.speculation.num_draft_tokens,
+                "accepted_tokens": sched.speculation.num_accepted_tokens,
+            },
             "invariants_ok": True if self.check else None,  # checked after every step
             "leftover_blocks": {
                 "gpu_in_use": sched.kv.pool.num_blocks - sched.kv.pool.num_free,

@@ -26,6 +26,7 @@ from shared.config_fields import (
     load_settings,
     settings_to_toml,
 )
+from shared.errors import ConfigError
 
 __all__ = [
     "FIELD_HELP",
@@ -145,6 +146,32 @@ class SchedulerConfig(StepLimits, frozen=True):
             "not back yet is a placeholder they fill in); off = wait for each result."
         ),
     ] = True
+    num_speculative_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=16,
+            description="Tokens proposed per sequence and step by prompt lookup (n-gram), "
+            "verified in one forward; 0 = no speculative decoding.",
+        ),
+    ] = 0
+    prompt_lookup_min: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=16,
+            description="Shortest suffix of a sequence that prompt lookup matches against "
+            "its earlier tokens.",
+        ),
+    ] = 2
+    prompt_lookup_max: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=16,
+            description="Longest suffix prompt lookup tries first (the longest match wins).",
+        ),
+    ] = 4
     swap_bandwidth_gbps: Annotated[
         float,
         Meta(
@@ -178,6 +205,15 @@ class SchedulerConfig(StepLimits, frozen=True):
         ]
         | None
     ) = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+                f"got {self.prompt_lookup_min}",
+                field="prompt_lookup_min",
+            )
 
     @property
     def user_queue_cap(self) -> int:

@@ -110,6 +110,12 @@ class SamplingParams(
     StructuredOutput`; a mapping of its fields is taken too). The scheduler masks each
     token that could not continue a match; a sample ends when the match is complete."""
 
+    num_speculative_tokens: int | None = None
+    """Tokens prompt lookup may propose for this request per step (speculative decoding,
+    exact: the output is what the request would produce without it); ``None`` = the
+    server's ``num_speculative_tokens``, 0 = none for this request. At most the server's
+    setting; not with ``structured_outputs``."""
+
     def __post_init__(self) -> None:
         max_tokens = _optional_int(self.max_tokens, "max_tokens", low=1)
         min_tokens = _int(self.min_tokens, "min_tokens", low=0)
@@ -142,6 +148,13 @@ class SamplingParams(
         self._store("allowed_token_ids", _ids(self.allowed_token_ids, "allowed_token_ids"))
         self._store("bad_words_token_ids", _bad_words(self.bad_words_token_ids))
         self._store("structured_outputs", _structured(self.structured_outputs))
+        _optional_int(self.num_speculative_tokens, "num_speculative_tokens", low=0, high=16)
+        if self.num_speculative_tokens and self.structured_outputs is not None:
+            _fail(
+                "num_speculative_tokens",
+                "speculative decoding does not run with structured_outputs",
+                self.num_speculative_tokens,
+            )
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
                 _fail(name, "expected a boolean", getattr(self, name))

@@ -51,6 +51,15 @@ def check_request(
         _check_ids_in_vocabulary(params, vocab_size)
     if params.n > config.max_num_seqs:
         raise RejectedError(bad, f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
+    asked = params.num_speculative_tokens
+    if asked and asked > config.num_speculative_tokens:
+        raise RejectedError(
+            bad,
+            f"num_speculative_tokens: {asked} exceeds the server's num_speculative_tokens "
+            f"({config.num_speculative_tokens}"
+            + ("; speculative decoding is off" if not config.num_speculative_tokens else "")
+            + ")",
+        )
     max_len = config.max_model_len
     if len(prompt) >= max_len:
         raise RejectedError(

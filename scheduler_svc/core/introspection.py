@@ -19,6 +19,11 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
     refs = [0] * scheduler.kv.pool.num_blocks
     cpu_held = list(scheduler.cpu_release)
     in_queues: dict[str, str] = {}
+    proposed_in_flight = {
+        seq_id: len(proposal)
+        for step in scheduler.inflight
+        for seq_id, proposal in step.proposals.items()
+    }
     groups = (
         ("running", scheduler.running, SeqStatus.RUNNING),
         ("waiting", list(scheduler.waiting), SeqStatus.WAITING),
@@ -37,14 +42,18 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
             for block in seq.block_table:
                 refs[block] += 1
             cpu_held.extend(seq.cpu_block_table)
-            if not 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_placeholders:
+            proposed = proposed_in_flight.get(seq.seq_id, 0)
+            if not 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_placeholders + proposed:
                 problems.append(f"{seq.seq_id}: computed {seq.num_computed_tokens} tokens")
             if seq.num_placeholders and not scheduler.inflight:
                 problems.append(f"{seq.seq_id}: placeholders with no step in flight")
             if status is SeqStatus.RUNNING:
-                covered = len(seq.block_table) * scheduler.block_size
-                if covered < seq.num_computed_tokens:
-                    problems.append(f"{seq.seq_id}: blocks do not cover computed tokens")
+                needed = -(-seq.num_computed_tokens // scheduler.block_size)
+                if len(seq.block_table) != needed:
+                    problems.append(
+                        f"{seq.seq_id}: {len(seq.block_table)} blocks for "
+                        f"{seq.num_computed_tokens} computed tokens"
+                    )
             elif seq.block_table:
                 problems.append(f"{seq.seq_id} holds device blocks while {name}")
             if status is not SeqStatus.SWAPPED and seq.cpu_block_table:

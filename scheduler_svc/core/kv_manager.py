@@ -196,6 +196,14 @@ class KVCacheManager:
         child.num_cached_blocks = parent.num_cached_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back the blocks of ``seq``'s table past its first ``num_blocks`` (they held
+        rejected proposals only; none of them is in the prefix cache)."""
+        table = seq.block_table
+        if len(table) > num_blocks:
+            self.pool.release(reversed(table[num_blocks:]))
+            del table[num_blocks:]
+
     def free(self, seq: Sequence) -> None:
         self.pool.release(reversed(seq.block_table))
         seq.block_table = []

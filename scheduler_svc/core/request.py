@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ipc.schema import ErrorCode, SeqStatus
+from scheduler_svc.core.ngram import NgramIndex
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
@@ -72,6 +73,7 @@ class Request:
         "max_num_tokens",
         "max_output_tokens",
         "num_failed_steps",
+        "num_speculative_tokens",
         "num_unfinished",
         "params",
         "priority",
@@ -94,6 +96,7 @@ class Request:
         client: str = "",
         eos_token_ids: frozenset[int] = _NO_STOP_IDS,
         max_model_len: int | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -108,6 +111,8 @@ class Request:
         """Its fair-share round, set once by the scheduler at submission."""
         self.seqs: list[Sequence] = []
         self.num_unfinished = params.n
+        self.num_speculative_tokens = num_speculative_tokens
+        """Tokens its samples may propose per step (0: they never speculate)."""
         self.num_failed_steps = 0
         """Steps holding this request that a worker died in (see Scheduler.on_worker_lost)."""
         self.first_scheduled_step: int | None = None
@@ -164,6 +169,7 @@ class Sequence(_SequenceHotFields):
         "cpu_block_table",
         "finish_reason",
         "key",
+        "ngram",
         "num_cached_blocks",
         "num_preemptions",
         "num_prompt_tokens",
@@ -207,6 +213,8 @@ class Sequence(_SequenceHotFields):
         """Tokens that end it past ``min_tokens`` outputs (EOS unless ignored, stop ids)."""
         self.max_num_tokens = request.max_num_tokens
         """Its length limit: prompt + max output tokens, at most max_model_len."""
+        self.ngram: NgramIndex | None = None
+        """Its prompt-lookup index, made when it first proposes (speculative decoding)."""
         self.constraint: TokenConstraint | None = None
         """Its structured-output matcher, at its output so far (sample 0's is given with
         the request, a fork's copied from its parent's); it masks each token it draws."""

@@ -57,6 +57,7 @@ from scheduler_svc.core.request import (
     Sequence,
     TokenConstraint,
 )
+from scheduler_svc.core.speculation import PromptLookup, Proposer, SpeculationPolicy
 from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
@@ -75,6 +76,7 @@ class Scheduler(SequenceEnding):
         eos_token_ids: Iterable[int],
         kv_bytes_per_block: int,
         vocab_size: int | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
@@ -83,6 +85,13 @@ class Scheduler(SequenceEnding):
         """Token ids that end a sequence unless ignore_eos (a model may list several)."""
         self.vocab_size = vocab_size
         """Prompt token ids must be below it (the model's embedding rows); None = unchecked."""
+        self.proposer: Proposer = proposer or PromptLookup(
+            config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        """Speculative decoding's proposals (prompt lookup unless given)."""
+        self.speculation = SpeculationPolicy(config.num_speculative_tokens)
+        self._speculating = False
+        """Whether the last plan let decodes propose (then nothing is planned ahead)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(
@@ -218,6 +227,13 @@ class Scheduler(SequenceEnding):
             client=client,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            num_speculative_tokens=0
+            if params.structured_outputs is not None
+            else (
+                self.config.num_speculative_tokens
+                if params.num_speculative_tokens is None
+                else params.num_speculative_tokens
+            ),
         )
         request.fair_round = self.fair_share.arrive(self.order.priority_term(request), client)
         return request
@@ -230,10 +246,17 @@ class Scheduler(SequenceEnding):
 
     def can_plan_ahead(self) -> bool:
         """Whether :meth:`schedule` may plan another step before the oldest result is
-        applied: fewer than ``max_inflight`` in flight, and none forks n>1 samples (the
-        forked sequences are only known from its result)."""
+        applied: fewer than ``max_inflight`` in flight, none forks n>1 samples (the
+        forked sequences are only known from its result), and decodes may not propose
+        (a speculating sequence's tokens are only known from its result, and one with a
+        token in flight has nothing to propose from): while speculation pays, steps run
+        one at a time."""
         inflight = self.inflight
-        return len(inflight) < self.max_inflight and not (inflight and inflight[-1].num_samples)
+        return (
+            len(inflight) < self.max_inflight
+            and not (inflight and inflight[-1].num_samples)
+            and not self._speculating
+        )
 
     @property
     def cpu_release(self) -> list[int]:
@@ -255,6 +278,7 @@ class Scheduler(SequenceEnding):
         kv = self.kv
         step = InflightStep(self.step)
         budget = cfg.max_num_batched_tokens
+        speculate = self._speculating = self.speculation.active(len(self.running))
 
         if cfg.policy == "priority":
             self._make_room(step, budget)
@@ -277,6 +301,18 @@ class Scheduler(SequenceEnding):
             num_new = len(seq.token_ids) + pending - computed
             if pending and self._result_needed(seq):
                 index += 1  # it may end with the token in flight: wait for it
+                continue
+            if (
+                speculate
+                and num_new == 1
+                and not pending
+                and not seq.pending_forks
+                and self._schedule_proposal(seq, budget, len(running) - index - 1, step)
+            ):
+                budget -= step.num_scheduled[seq.seq_id]
+                if seq.num_computed_tokens % bs == 0:
+                    growth_reserve += 1
+                index += 1
                 continue
             if num_new == 1 and seq.on_worker and not seq.pending_forks:
                 # A decode (the common case) without kv.append / InflightStep.add: one
@@ -376,6 +412,29 @@ class Scheduler(SequenceEnding):
             or len(seq.token_ids) + seq.num_placeholders >= seq.max_num_tokens
             or seq.constraint is not None
         )
+
+    def _schedule_proposal(
+        self, seq: Sequence, budget: int, later: int, step: InflightStep
+    ) -> bool:
+        """Schedule ``seq``'s decode with the proposer's tokens after it, within the
+        token ``budget``, its length limit and the blocks beyond one for each of the
+        ``later`` running sequences; False (nothing done) without a proposal that fits."""
+        k = min(
+            seq.request.num_speculative_tokens,
+            budget - 1,
+            seq.max_num_tokens - len(seq.token_ids) - 1,  # the tokens it may still get
+        )
+        if k <= 0:
+            return False
+        proposal = self.proposer.propose(seq, k)
+        if not proposal:
+            return False
+        num_new = 1 + len(proposal)
+        if not self.kv.can_append(seq, num_new, self.watermark_blocks + later):
+            return False
+        appended, cow = self.kv.append(seq, num_new)
+        step.add(seq, num_new, appended, cow, proposal)
+        return True
 
     def _decode_at_block_edge(self, seq: Sequence, slot: int, step: InflightStep) -> bool:
         """Schedule a known decode that opens a block (``slot`` 0: one block from the
@@ -499,6 +558,9 @@ class Scheduler(SequenceEnding):
                     output.prompt_logprobs.append((seq.request.request_id, chunk))
         advanced, new_tokens = output.advanced, output.new_tokens
         finished = SeqStatus.FINISHED
+        proposals = done.proposals
+        if self.speculation.k:
+            self.speculation.timed(output.plan.total_tokens, result.timing.forward_s)
         for seq in done.sampling:
             seq.num_placeholders -= 1
             if seq.status is finished:
@@ -511,6 +573,7 @@ class Scheduler(SequenceEnding):
                 and plain
                 and seq.constraint is None
                 and not seq.pending_forks
+                and not proposals
             ):
                 # One token, nothing to fork, no logprobs: _append_token inlined (a call
                 # per token is 6% of the core's time per generated token); keep them alike.
@@ -527,22 +590,50 @@ class Scheduler(SequenceEnding):
                 elif len(token_ids) >= seq.max_num_tokens:
                     self._finish(seq, FinishReason.LENGTH, output)
                 continue
+            entries = logprobs.get(seq_id)
+            if proposals and (proposal := proposals.get(seq_id)) is not None:
+                self._accept(seq, proposal, tokens, entries, output)
+                continue
             if not tokens or len(tokens) != 1 + seq.pending_forks:
                 raise WorkerProtocolError(
                     f"{seq_id}: expected {1 + seq.pending_forks} sampled tokens, got {tokens}"
                 )
             # Sample i of a fork step (token i, logprobs entry i) belongs to sample i.
-            entries = logprobs.get(seq_id)
             if seq.pending_forks:
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
-                    if entries:
-                        output.logprobs[child.seq_id] = entries[index]
-                    self._append_token(child, token, output)
-            if entries:
-                output.logprobs[seq_id] = entries[0]
-            self._append_token(seq, tokens[0], output)
+                    self._append_token(child, token, output, entries[index] if entries else None)
+            self._append_token(seq, tokens[0], output, entries[0] if entries else None)
         return output
+
+    def _accept(
+        self,
+        seq: Sequence,
+        proposal: list[int],
+        tokens: list[int] | None,
+        entries: list[dict[int, float]] | None,
+        output: StepOutput,
+    ) -> None:
+        """Apply a speculating sequence's result: its accepted proposals and the token
+        after them, up to the first that ends it; then only what they computed stays
+        computed, and blocks past it go back to the pool."""
+        if (
+            not tokens
+            or len(tokens) > len(proposal) + 1
+            or tokens[:-1] != proposal[: len(tokens) - 1]
+            or (entries is not None and len(entries) != len(tokens))
+        ):
+            raise WorkerProtocolError(
+                f"{seq.seq_id}: tokens {tokens} do not answer the proposal {proposal}"
+            )
+        self.speculation.verified(len(proposal), len(tokens) - 1)
+        for position, token in enumerate(tokens):
+            self._append_token(seq, token, output, entries[position] if entries else None)
+            if seq.status is SeqStatus.FINISHED:
+                return
+        if seq.status is SeqStatus.RUNNING:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            self.kv.truncate(seq, self.kv.blocks_for(seq.num_computed_tokens))
 
     def _fork(self, parent: Sequence, sample_index: int) -> Sequence:
         request = parent.request
@@ -565,7 +656,15 @@ class Scheduler(SequenceEnding):
         self._running_forks -= 1
         return child
 
-    def _append_token(self, seq: Sequence, token: int, output: StepOutput) -> None:
+    def _append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        output: StepOutput,
+        logprobs: dict[int, float] | None = None,
+    ) -> None:
+        if logprobs is not None:
+            output.logprobs[len(output.new_tokens)] = logprobs
         token_ids = seq.token_ids
         token_ids.append(token)
         output.advanced.append(seq)

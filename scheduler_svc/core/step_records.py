@@ -58,8 +58,9 @@ class StepOutput:
     """(request id, sample index, finish reason) of the samples it ended."""
     finished_requests: list[str] = field(default_factory=list)
     """Requests whose last sample it ended."""
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Sequence id -> logprobs of its new token, where the request asked for them."""
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Index in :attr:`new_tokens` -> the logprobs of that token, where its request
+    asked for them (a speculating sequence may get several tokens in one step)."""
     prompt_logprobs: list[tuple[str, PromptLogprobs]] = field(default_factory=list)
     """(request id, the prompt positions its step computed the logprobs of), where the
     request asked for them; a recomputed prefill repeats positions."""
@@ -115,6 +116,8 @@ class InflightStep:
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_samples: dict[str, int] = field(default_factory=dict)
     """Sequences that fork n>1 samples in it (nothing is planned past such a step)."""
+    proposals: dict[str, list[int]] = field(default_factory=dict)
+    """Speculating sequences' proposed tokens (nothing is planned past such a step)."""
     preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
@@ -131,12 +134,15 @@ class InflightStep:
         num_new: int,
         appended: list[int],
         cow: CopyOnWrite | None,
+        proposal: list[int] | None = None,
     ) -> None:
         """Schedule ``num_new`` tokens of ``seq``, whose block table just grew by
         ``appended`` and, on a copy-on-write, had entry ``cow[0]`` copied from block
         ``cow[1]`` to ``cow[2]``: full data for a sequence the workers do not hold,
         block-table changes for one they do. The tokens count as computed from here on;
-        one that reaches the end samples, and holds a placeholder until its result."""
+        one that reaches the end samples, and holds a placeholder until its result.
+        ``proposal``: the last ``len(proposal)`` of the ``num_new`` tokens are proposed
+        ones (speculative decoding), known to the plan only."""
         seq_id = seq.seq_id
         if cow is not None:
             self.copies.append((cow[1], cow[2]))
@@ -164,7 +170,11 @@ class InflightStep:
             )
         self.num_scheduled[seq_id] = num_new
         seq.num_computed_tokens += num_new
-        if seq.num_computed_tokens == len(seq.token_ids) + seq.num_placeholders:
+        proposed = 0
+        if proposal:
+            self.proposals[seq_id] = proposal
+            proposed = len(proposal)
+        if seq.num_computed_tokens - proposed == len(seq.token_ids) + seq.num_placeholders:
             seq.num_placeholders += 1
             self.sampling.append(seq)
             if seq.pending_forks:
@@ -184,6 +194,7 @@ class InflightStep:
             swap_in=self.swap_in,
             copies=self.copies,
             num_samples=self.num_samples,
+            proposals=self.proposals,
             token_masks={
                 seq.seq_id: seq.constraint.mask()
                 for seq in self.sampling

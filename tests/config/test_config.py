@@ -112,6 +112,10 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("swap_overhead_ms", math.nan),
     ("max_queued_per_user", 0),
     ("max_queued_per_user", "many"),
+    ("num_speculative_tokens", -1),
+    ("num_speculative_tokens", 17),
+    ("prompt_lookup_min", 0),
+    ("prompt_lookup_max", 17),
 ]
 
 
@@ -431,6 +435,9 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         max_waiting_requests=9,
         enable_prefix_caching=False,
         overlap_scheduling=False,
+        num_speculative_tokens=3,
+        prompt_lookup_min=3,
+        prompt_lookup_max=7,
         swap_bandwidth_gbps=1e20,
         prefill_tokens_per_s=0.3,
         swap_overhead_ms=0.0,

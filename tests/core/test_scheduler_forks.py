@@ -12,6 +12,7 @@ import msgspec
 from support.harness import Harness
 
 from ipc.schema import StepResult
+from scheduler_svc.core.step_records import StepOutput
 
 
 def with_row_logprobs(result: StepResult, step: int) -> StepResult:
@@ -28,6 +29,11 @@ def with_row_logprobs(result: StepResult, step: int) -> StepResult:
     return msgspec.structs.replace(result, logprobs=logprobs)
 
 
+def by_seq(outcome: StepOutput) -> dict[str, dict[int, float]]:
+    """The step's logprobs by the sequence that got each token (one token each here)."""
+    return {outcome.advanced[at].seq_id: entry for at, entry in outcome.logprobs.items()}
+
+
 def test_each_forked_sample_gets_the_logprobs_of_its_own_row() -> None:
     h = Harness()
     request = h.add("r", 6, max_tokens=4, n=3, temperature=1.0, logprobs=1)
@@ -41,8 +47,8 @@ def test_each_forked_sample_gets_the_logprobs_of_its_own_row() -> None:
     assert [s.seq_id for s in request.seqs] == ["r/0", "r/1", "r/2"]
     for index, seq in enumerate(request.seqs):
         assert seq.output_token_ids == [tokens[index]]
-        assert outcome.logprobs[seq.seq_id] is entries[index], seq.seq_id
-        assert outcome.logprobs[seq.seq_id] == {
+        assert by_seq(outcome)[seq.seq_id] is entries[index], seq.seq_id
+        assert by_seq(outcome)[seq.seq_id] == {
             tokens[index]: -float(index),
             10_000 + index: -99.0,
         }
@@ -54,9 +60,9 @@ def test_each_forked_sample_gets_the_logprobs_of_its_own_row() -> None:
         outcome = h.sched.update(result)
         assert result.logprobs is not None
         for seq_id, seq_entries in result.logprobs.items():
-            assert outcome.logprobs[seq_id] == seq_entries[0]
+            assert by_seq(outcome)[seq_id] == seq_entries[0]
             token = result.sampled_token_ids[seq_id][0]
-            assert outcome.logprobs[seq_id][token] == -float(100 * step)
+            assert by_seq(outcome)[seq_id][token] == -float(100 * step)
     assert request.finished
     h.assert_reference_outputs()
 

@@ -39,7 +39,7 @@ def test_a_stop_token_counts_only_past_min_tokens(logprobs: bool) -> None:
     for _ in range(2):  # outputs 1 and 2: within min_tokens
         outcome = step_with(h, {"r": [STOP]}, logprobs)
         assert seq.status is SeqStatus.RUNNING and outcome.finished_seqs == []
-        assert (outcome.logprobs == {"r": {STOP: -1.0}}) is logprobs
+        assert (outcome.logprobs == {0: {STOP: -1.0}}) is logprobs
     outcome = step_with(h, {"r": [STOP]}, logprobs)  # output 3
     assert seq.status is SeqStatus.FINISHED and seq.finish_reason is FinishReason.STOP
     assert outcome.finished_seqs == [("r", 0, FinishReason.STOP)]
@@ -103,7 +103,7 @@ def test_a_fork_step_reaching_max_tokens_ends_every_sample_with_length() -> None
     }
     assert outcome.finished_requests == ["r"]
     assert request.finish_reason is FinishReason.LENGTH
-    assert set(outcome.logprobs) == {"r/0", "r/1"}
+    assert {outcome.advanced[at].seq_id for at in outcome.logprobs} == {"r/0", "r/1"}
     assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
 
 

@@ -151,7 +151,7 @@ def _plan(step: int, new: list[NewSeq], freed: list[str] = ()) -> BatchPlan:  # 
 
 def test_a_worker_holds_one_copy_of_a_requests_parameters() -> None:
     params = SamplingParams(n=3, stop_token_ids=[7, 8], temperature=0)
-    state = WorkerState()
+    state = WorkerState(4)
     state.apply(_plan(0, [_new("r#0", params), _new("r#1", None)]))  # in the same plan
     state.apply(_plan(1, [_new("r#2", None)]))  # held by the others
     assert all(state.seqs[f"r#{i}"].sampling is params for i in range(3))

@@ -39,7 +39,7 @@ def plan(step: int = 0, scheduled: dict[str, int] | None = None, **fields: objec
 
 
 def holding(*seqs: NewSeq) -> WorkerState:
-    state = WorkerState()
+    state = WorkerState(4)
     state.apply(plan(new_seqs=list(seqs)))
     return state
 
@@ -162,7 +162,7 @@ def test_reset_forgets_everything_before_the_resend() -> None:
 
 
 def test_reset_on_a_fresh_worker_is_harmless() -> None:
-    state = WorkerState()
+    state = WorkerState(4)
     state.apply(plan(reset=True, new_seqs=[new_seq("a")], scheduled={"a": 6}))
     assert set(state.seqs) == {"a"}
 

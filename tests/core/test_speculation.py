@@ -1,0 +1,268 @@
+"""Speculative decoding in the core: proposals scheduled with their lookahead, results
+applied over the accepted run, rejected slots given back, and the back-off.
+
+The fake worker verifies proposals as the model runner does (the model's token at
+each position while it equals the proposal, then the first that does not), and checks
+every K/V slot attention reads; the fake proposer proposes the model's own tokens with
+a set probability. Outputs must equal the same run without speculation.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from support.harness import BS, Harness, restart_worker
+
+from ipc.schema import SeqStatus, StepResult
+from scheduler_svc.core.introspection import check_invariants
+from scheduler_svc.core.speculation import PROBE_INTERVAL, SpeculationPolicy
+from scheduler_svc.core.step_records import WorkerProtocolError
+from scheduler_svc.fake_worker import FakeProposer
+from scheduler_svc.simulator import Simulation
+from scheduler_svc.traces import generate_trace
+from shared.config import SchedulerConfig
+from shared.outputs import FinishReason
+
+
+def speculating(acceptance: float, eos_at: dict[str, int] | None = None, **config: object):
+    h = Harness(eos_at, num_speculative_tokens=4, **config)
+    h.sched.proposer = FakeProposer(h.model, acceptance)
+    return h
+
+
+def trace_config(**fields: object) -> SchedulerConfig:
+    base: dict[str, object] = {
+        "block_size": BS,
+        "num_gpu_blocks": 56,
+        "num_cpu_blocks": 48,
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 128,
+        "watermark": 0.0,
+    }
+    base.update(fields)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+TRACE = generate_trace(
+    60,
+    seed=3,
+    prompt_len=(4, 40),
+    output_len=(1, 40),
+    arrival_rate=4.0,
+    n_choices=(1, 1, 3),
+    eos_fraction=0.3,
+    abort_fraction=0.1,
+    shared_prefixes=3,
+    shared_prefix_len=12,
+)
+
+
+def simulate(config: SchedulerConfig, *, overlap: bool, acceptance: float | None):
+    sim = Simulation(
+        TRACE,
+        config,
+        verify_kv=True,
+        check_invariants=True,
+        overlap=overlap,
+        proposal_acceptance=acceptance,
+    )
+    result = sim.run()
+    for req in TRACE:  # every sample's output is the fake model's (aborted: a prefix)
+        if req.id in result.rejected:
+            continue
+        for index, (seq_id, tokens) in enumerate(sorted(result.outputs[req.id].items())):
+            expected, reason = sim.model.reference_output(
+                req.id, index, len(sim.prompt_of(req)), req.params(), config.max_model_len
+            )
+            if result.seq_finish_reasons[seq_id] == "abort":
+                assert tokens == expected[: len(tokens)], seq_id
+            else:
+                assert (tokens, result.seq_finish_reasons[seq_id]) == (expected, reason), seq_id
+    return result
+
+
+@pytest.mark.parametrize(
+    ("overlap", "mode"), [(False, "swap"), (True, "recompute")], ids=["step-exact", "overlap"]
+)
+@pytest.mark.parametrize("acceptance", [0.0, 0.6, 1.0])
+def test_a_trace_with_proposals_keeps_every_invariant_and_every_output(
+    acceptance: float, overlap: bool, mode: str
+) -> None:
+    """Chunked prefill, prefix hits, preemption (a small pool), n=3, aborts and EOS;
+    every invariant after every plan and update, every K/V slot read checked."""
+    plain = simulate(trace_config(preemption_mode=mode), overlap=overlap, acceptance=None)
+    spec = simulate(
+        trace_config(preemption_mode=mode, num_speculative_tokens=4),
+        overlap=overlap,
+        acceptance=acceptance,
+    )
+    aborted = {req.id for req in TRACE if req.abort_step is not None}
+    assert {rid: out for rid, out in spec.outputs.items() if rid not in aborted} == {
+        rid: out for rid, out in plain.outputs.items() if rid not in aborted
+    }
+    assert spec.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
+    assert spec.summary["preemptions"][mode] > 0  # the pool is tight
+    counts = spec.summary["speculation"]
+    assert counts["proposals"] > (50 if acceptance else 0)  # none accepted: probes only
+    if acceptance == 1.0:
+        assert counts["accepted_tokens"] > 0.9 * counts["proposed_tokens"]
+        assert spec.summary["steps"] < 0.7 * plain.summary["steps"]
+    if acceptance == 0.0:
+        assert counts["accepted_tokens"] == 0
+
+
+def test_a_proposal_is_scheduled_after_the_last_token_with_its_lookahead() -> None:
+    h = speculating(1.0)
+    request = h.add("r", 6, max_tokens=20)
+    seq = request.seqs[0]
+    h.step()  # the prompt, and its first token
+    plan = h.sched.schedule()
+    assert plan is not None
+    assert plan.proposals == {"r": h.sched.proposer.propose(seq, 4)}
+    assert plan.num_scheduled_tokens == {"r": 5}
+    assert seq.num_computed_tokens == 7 + 4  # every position of the chunk
+    assert len(seq.block_table) == -(-11 // BS)
+    outcome = h.sched.update(h.worker.execute(plan))
+    assert check_invariants(h.sched) == []
+    assert [token for _, _, _, token in outcome.tokens] == seq.output_token_ids[1:]
+    assert seq.num_output_tokens == 1 + 5  # four accepted and the one after them
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+
+
+def test_rejected_proposals_give_their_blocks_back() -> None:
+    h = speculating(0.0)
+    request = h.add("r", 7, max_tokens=20)
+    seq = request.seqs[0]
+    h.step()  # 8 tokens: two full blocks
+    free = h.sched.kv.pool.num_free
+    plan = h.sched.schedule()
+    assert plan is not None and len(plan.proposals["r"]) == 4
+    assert h.sched.kv.pool.num_free == free - 1  # the lookahead opened a third block
+    h.sched.update(h.worker.execute(plan))
+    assert seq.num_output_tokens == 2  # nothing accepted: the model's own token
+    assert seq.num_computed_tokens == 8
+    assert len(seq.block_table) == 2 and h.sched.kv.pool.num_free == free
+    assert h.worker.seqs["r"].block_ids == seq.block_table
+    assert check_invariants(h.sched) == []
+    h.run()
+    assert seq.output_token_ids == h.reference(request)[0]
+
+
+def test_a_stop_inside_the_accepted_run_truncates_it() -> None:
+    h = speculating(1.0, eos_at={"r": 4})
+    request = h.add("r", 6, max_tokens=20)
+    h.run()
+    seq = request.seqs[0]
+    assert seq.finish_reason is FinishReason.STOP
+    assert seq.output_token_ids == h.reference(request)[0]
+    assert len(seq.output_token_ids) == 4
+    assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
+
+
+def test_proposals_stop_at_max_tokens_and_min_tokens_still_holds() -> None:
+    h = speculating(1.0, eos_at={"r": 2, "s": 3})
+    first = h.add("r", 5, max_tokens=3)
+    second = h.add("s", 5, max_tokens=12, min_tokens=5)
+    h.run()
+    for request in (first, second):
+        seq = request.seqs[0]
+        assert seq.output_token_ids == h.reference(request)[0]
+    assert first.seqs[0].finish_reason is FinishReason.STOP  # EOS at 2 of 3
+    assert len(second.seqs[0].output_token_ids) == 12  # EOS below min_tokens masked
+    assert all(len(p.proposals.get("r", ())) <= 1 for p in h.plans)  # room for 2 after 1
+
+
+def test_a_result_that_does_not_answer_the_proposal_is_a_protocol_error() -> None:
+    h = speculating(1.0)
+    h.add("r", 6, max_tokens=20)
+    h.step()
+    plan = h.sched.schedule()
+    assert plan is not None
+    proposal = plan.proposals["r"]
+    wrong = [proposal[0] + 1, 5]  # "accepts" a token that was not proposed
+    with pytest.raises(WorkerProtocolError, match="do not answer the proposal"):
+        h.sched.update(StepResult(step=plan.step, sampled_token_ids={"r": wrong}))
+
+
+def test_requests_may_turn_speculation_off_or_down() -> None:
+    h = speculating(1.0)
+    off = h.add("off", 6, max_tokens=10, num_speculative_tokens=0)
+    down = h.add("down", 6, max_tokens=10, num_speculative_tokens=2)
+    h.run()
+    assert all("off" not in plan.proposals for plan in h.plans)
+    assert max(len(plan.proposals.get("down", ())) for plan in h.plans) == 2
+    assert off.seqs[0].output_token_ids == h.reference(off)[0]
+    assert down.seqs[0].output_token_ids == h.reference(down)[0]
+
+
+def test_speculation_plans_one_step_at_a_time_and_overlap_resumes_when_it_stops() -> None:
+    h = speculating(1.0, overlap_scheduling=True)
+    h.add("r", 6, max_tokens=40)
+    h.step()
+    h.sched.schedule()
+    assert h.sched.inflight[-1].proposals
+    assert not h.sched.can_plan_ahead()
+    # Measured: a step costs its tokens only (no fixed part), so proposals never pay.
+    policy = h.sched.speculation
+    for tokens in range(1, 40):
+        policy.timed(tokens, 0.001 * tokens)
+    policy._gain.add(0.0)  # nothing accepted lately
+    h.sched.update(h.worker.execute(h.sched.inflight[-1].output.plan))  # type: ignore[union-attr]
+    plan = h.sched.schedule()
+    assert plan is not None and not plan.proposals
+    assert h.sched.can_plan_ahead()
+
+
+def test_the_policy_speculates_below_the_batch_size_where_it_stops_paying() -> None:
+    policy = SpeculationPolicy(4)
+    for batch in (1, 2, 4, 8, 16, 32, 64):  # 10 ms fixed, 0.5 ms a token
+        policy.timed(batch, 0.010 + 0.0005 * batch)
+    for _ in range(50):
+        policy.verified(4, 2)  # two of four accepted
+    # pays while 2 * (10 + 0.5 B) > 0.5 * B * 4, i.e. B < 20
+    assert policy.active(8) and policy.active(19)
+    decisions = [policy.active(21) for _ in range(2 * PROBE_INTERVAL)]
+    assert decisions.count(True) == 2  # the probes only
+    assert policy.acceptance_rate == 0.5
+    assert policy.accepted_per_position == [50, 50, 0, 0]
+
+
+def test_a_policy_without_timings_backs_off_on_acceptance() -> None:
+    policy = SpeculationPolicy(4)
+    assert policy.active(1)  # nothing measured: try
+    for _ in range(30):
+        policy.verified(4, 0)
+    assert [policy.active(1) for _ in range(PROBE_INTERVAL)].count(True) == 1
+    assert not SpeculationPolicy(0).active(1)
+
+
+def test_forks_speculate_each_on_their_own() -> None:
+    h = speculating(0.7)
+    request = h.add("r", 6, max_tokens=16, n=3, temperature=1.0)
+    h.run()
+    assert [seq.seq_id for seq in request.seqs] == ["r/0", "r/1", "r/2"]
+    for seq in request.seqs:
+        assert seq.output_token_ids == h.reference(request, seq.sample_index)[0]
+    proposed = {seq_id for plan in h.plans for seq_id in plan.proposals}
+    assert proposed == {"r/0", "r/1", "r/2"}
+
+
+def test_a_lost_worker_drops_proposals_with_the_step() -> None:
+    h = speculating(1.0)
+    request = h.add("r", 6, max_tokens=30)
+    h.step()
+    plan = h.sched.schedule()
+    assert plan is not None and plan.proposals
+    h.sched.on_worker_lost()
+    assert check_invariants(h.sched) == []
+    restart_worker(h)
+    h.run()
+    seq = request.seqs[0]
+    assert seq.status is SeqStatus.FINISHED
+    assert seq.output_token_ids == h.reference(request)[0]
+
+
+def test_the_config_pairs_prompt_lookup_sizes() -> None:
+    with pytest.raises(msgspec.ValidationError, match="prompt_lookup_min"):
+        msgspec.convert({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, SchedulerConfig)
