@@ -39,7 +39,7 @@ from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from gpu_worker.token_bitmask import apply_bitmask, pack_rows
-from ipc.plan_state import ScheduledSeq, WorkerState
+from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
 from shared.checkpoint import capped_max_len
 from shared.sampling import SamplingParams
@@ -357,6 +357,8 @@ class ModelRunner:
         clock.mark("forwarded")
         reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden, plan.token_masks)
+        if plan.proposals:
+            accepted_runs(sampled, logprobs, plan.proposals)
         prompt_lp = prompt_logprobs(
             batch, inputs.query_start_loc, hidden, self.logits, self.staging,
             self.prompt_logprob_rows,
@@ -364,7 +366,7 @@ class ModelRunner:
         read = self.staging.host_syncs > reads  # the device is done with the step
         if not read:
             clock.mark("read")
-        self.state.append_sampled(sampled)
+        self.state.append_sampled(sampled, plan.proposals)
         clock.mark("done")
         return StepResult(
             step=plan.step,
@@ -399,7 +401,9 @@ class ModelRunner:
         token_masks: dict[str, bytes],
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]] | None]:
         """Draw every due token: one row per sample, from its sequence's last position;
-        a constrained sequence's rows under its mask (``token_masks``)."""
+        a constrained sequence's rows under its mask (``token_masks``); a speculating
+        sequence's at each of its last ``num_proposed + 1`` positions, each as a decode
+        there would draw it (its prefix of the proposal taken as the output so far)."""
         if token_masks:
             return self._sample_rows(batch, inputs, hidden, token_masks)
         rows: list[int] = []
@@ -412,6 +416,7 @@ class ModelRunner:
             p = seq.sampling
             if (
                 item.num_samples != 1
+                or item.num_proposed
                 or p.seed is not None
                 or p.logprobs is not None
                 or (p.temperature != 0 and p.top_k != 1)
@@ -437,6 +442,28 @@ class ModelRunner:
         index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
         return hidden.index_select(0, index)
 
+    def _row_controls(self, seq: WorkerSeq, length: int) -> tuple[np.ndarray, History | None]:
+        """The ids masked and the penalty history of a draw after ``seq``'s first
+        ``length`` tokens (below ``min_tokens``: stop ids and EOS; bad words' last tokens)."""
+        p = seq.sampling
+        banned = _NO_IDS
+        if length - seq.num_prompt_tokens < p.min_tokens:
+            if seq.banned_ids is None:  # built once per sequence, not per step
+                ids = [*p.stop_token_ids, *self.eos_token_ids]
+                seq.banned_ids = np.unique(np.array(ids, dtype=np.int64))
+            banned = seq.banned_ids
+        if p.bad_words_token_ids:
+            output = seq.token_ids[seq.num_prompt_tokens : length]
+            bans = bad_word_bans(p.bad_words_token_ids, output)
+            banned = np.concatenate([banned, np.array(bans, dtype=np.int64)])
+        history = None
+        if p.penalised:
+            if seq.prompt_seen is None:  # once per sequence, not per step
+                seq.prompt_seen = np.unique(seq.token_ids[: seq.num_prompt_tokens])
+            output_ids = np.array(seq.token_ids[seq.num_prompt_tokens : length], dtype=np.int64)
+            history = History(seq.prompt_seen, output_ids)
+        return banned, history
+
     def _sample_rows(
         self,
         batch: list[ScheduledSeq],
@@ -450,7 +477,6 @@ class ModelRunner:
         keys: list[int | None] = []
         masked: list[np.ndarray] = []
         histories: list[History | None] = []
-        no_mask = np.empty(0, dtype=np.int64)
         owners: list[str] = []
         bitmasks: list[bytes | None] = []
         for index, item in enumerate(batch):
@@ -459,24 +485,23 @@ class ModelRunner:
             seq = item.seq
             p = seq.sampling
             bitmask = token_masks.get(seq.seq_id)
-            banned = no_mask
-            if seq.num_output_tokens < p.min_tokens:
-                if seq.banned_ids is None:  # built once per sequence, not per step
-                    ids = [*p.stop_token_ids, *self.eos_token_ids]
-                    seq.banned_ids = np.unique(np.array(ids, dtype=np.int64))
-                banned = seq.banned_ids
-            if p.bad_words_token_ids:
-                output = seq.token_ids[seq.num_prompt_tokens :]
-                bans = bad_word_bans(p.bad_words_token_ids, output)
-                banned = np.concatenate([banned, np.array(bans, dtype=np.int64)])
-            history = None
-            if p.penalised:
-                if seq.prompt_seen is None:  # once per sequence, not per step
-                    seq.prompt_seen = np.unique(seq.token_ids[: seq.num_prompt_tokens])
-                output_ids = np.array(seq.token_ids[seq.num_prompt_tokens :], dtype=np.int64)
-                history = History(seq.prompt_seen, output_ids)
+            last = inputs.query_start_loc[index + 1] - 1
+            if item.num_proposed:
+                # Row j draws after the known tokens and the first j proposed ones.
+                known = len(seq.token_ids) - item.num_proposed
+                for j in range(item.num_proposed + 1):
+                    banned, history = self._row_controls(seq, known + j)
+                    rows.append(last - item.num_proposed + j)
+                    params.append(p)
+                    keys.append(sample_key(p.seed, seq.sample_index, known + j))
+                    masked.append(banned)
+                    histories.append(history)
+                    owners.append(seq.seq_id)
+                    bitmasks.append(None)
+                continue
+            banned, history = self._row_controls(seq, len(seq.token_ids))
             for sample_index in item.sample_indices:
-                rows.append(inputs.query_start_loc[index + 1] - 1)
+                rows.append(last)
                 params.append(p)
                 keys.append(sample_key(p.seed, sample_index, len(seq.token_ids)))
                 masked.append(banned)
@@ -503,6 +528,27 @@ class ModelRunner:
                 logprobs = logprobs or {}
                 logprobs.setdefault(seq_id, []).append(entry)
         return sampled, logprobs
+
+
+_NO_IDS = np.empty(0, dtype=np.int64)
+
+
+def accepted_runs(
+    sampled: dict[str, list[int]],
+    logprobs: dict[str, list[dict[int, float]]] | None,
+    proposals: dict[str, list[int]],
+) -> None:
+    """Cut each speculating sequence's draws (one per position: after the known tokens,
+    after the first proposed one, ...) to its result, in place: the draws while they
+    equal the proposal, then the first that does not (or the one after all of it)."""
+    for seq_id, proposal in proposals.items():
+        draws = sampled[seq_id]
+        accepted = 0
+        while accepted < len(proposal) and draws[accepted] == proposal[accepted]:
+            accepted += 1
+        del draws[accepted + 1 :]
+        if logprobs and seq_id in logprobs:
+            del logprobs[seq_id][accepted + 1 :]
 
 
 def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> list[int]:

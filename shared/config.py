@@ -155,6 +155,14 @@ class SchedulerConfig(StepLimits, frozen=True):
             "verified in one forward; 0 = no speculative decoding.",
         ),
     ] = 0
+    speculative_backoff: Annotated[
+        bool,
+        Meta(
+            description="Stop proposing while the measured gain (accepted tokens) does not "
+            "pay for the tokens verified (one step in 32 still proposes); off = always "
+            "propose.",
+        ),
+    ] = True
     prompt_lookup_min: Annotated[
         int,
         Meta(

@@ -89,7 +89,9 @@ class Scheduler(SequenceEnding):
             config.prompt_lookup_min, config.prompt_lookup_max
         )
         """Speculative decoding's proposals (prompt lookup unless given)."""
-        self.speculation = SpeculationPolicy(config.num_speculative_tokens)
+        self.speculation = SpeculationPolicy(
+            config.num_speculative_tokens, backoff=config.speculative_backoff
+        )
         self._speculating = False
         """Whether the last plan let decodes propose (then nothing is planned ahead)."""
         self.block_size = config.block_size

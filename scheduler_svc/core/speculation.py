@@ -32,6 +32,9 @@ PROBE_INTERVAL = 32
 """While speculation does not pay, one step in this many speculates anyway (a measure
 of the acceptance now: the text a batch generates changes)."""
 
+MIN_VERIFIED = 16
+"""Proposals verified before their gain may turn speculation off."""
+
 _DECAY = 0.95
 """Weight of the past in each running mean (about the last 20 observations count)."""
 
@@ -66,8 +69,10 @@ class PromptLookup:
 class SpeculationPolicy:
     """Whether speculating pays this step, and the counts ``/metrics`` reports."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, *, backoff: bool = True) -> None:
         self.k = num_speculative_tokens
+        self.backoff = backoff
+        """False: every step may propose, whatever was measured."""
         self.num_drafts = 0
         """Proposals verified (one per sequence and step that proposed)."""
         self.num_draft_tokens = 0
@@ -88,7 +93,7 @@ class SpeculationPolicy:
         """Whether this step's decodes may propose (``num_running`` sequences run)."""
         if not self.k:
             return False
-        if self._pays(num_running):
+        if not self.backoff or self._pays(num_running):
             self._since_probe = 0
             return True
         self._since_probe += 1
@@ -98,8 +103,8 @@ class SpeculationPolicy:
         return False
 
     def _pays(self, batch: int) -> bool:
-        if not self._gain.count:
-            return True  # nothing measured yet: try
+        if self._gain.count < MIN_VERIFIED:
+            return True  # too little measured yet: try
         gain = self._gain.value
         line = self._fit.line()
         if line is None:  # no timing (a fake worker), or one step size only

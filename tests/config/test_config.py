@@ -115,6 +115,7 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("num_speculative_tokens", -1),
     ("num_speculative_tokens", 17),
     ("prompt_lookup_min", 0),
+    ("speculative_backoff", "sometimes"),
     ("prompt_lookup_max", 17),
 ]
 
@@ -436,6 +437,7 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         enable_prefix_caching=False,
         overlap_scheduling=False,
         num_speculative_tokens=3,
+        speculative_backoff=False,
         prompt_lookup_min=3,
         prompt_lookup_max=7,
         swap_bandwidth_gbps=1e20,

@@ -140,6 +140,9 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("structured_outputs", {"grammar": "x" * (256 * 1024 + 1)}),
     ("structured_outputs", {"schema": {}}),
     ("structured_outputs", "a+"),
+    ("num_speculative_tokens", -1),
+    ("num_speculative_tokens", 17),
+    ("num_speculative_tokens", True),
 ]
 
 
@@ -264,3 +267,9 @@ def test_defaults_are_omitted_on_the_wire() -> None:
     assert msgspec.json.decode(msgspec.json.encode(SamplingParams(max_tokens=None))) == {
         "max_tokens": None
     }
+
+
+def test_speculation_does_not_go_with_structured_outputs() -> None:
+    with pytest.raises(InvalidRequestError, match="^num_speculative_tokens: .*structured"):
+        SamplingParams(num_speculative_tokens=2, structured_outputs={"regex": "a+"})
+    assert SamplingParams(num_speculative_tokens=0, structured_outputs={"regex": "a+"})

@@ -15,7 +15,7 @@ from support.harness import BS, Harness, restart_worker
 
 from ipc.schema import SeqStatus, StepResult
 from scheduler_svc.core.introspection import check_invariants
-from scheduler_svc.core.speculation import PROBE_INTERVAL, SpeculationPolicy
+from scheduler_svc.core.speculation import MIN_VERIFIED, PROBE_INTERVAL, SpeculationPolicy
 from scheduler_svc.core.step_records import WorkerProtocolError
 from scheduler_svc.fake_worker import FakeProposer
 from scheduler_svc.simulator import Simulation
@@ -207,7 +207,8 @@ def test_speculation_plans_one_step_at_a_time_and_overlap_resumes_when_it_stops(
     policy = h.sched.speculation
     for tokens in range(1, 40):
         policy.timed(tokens, 0.001 * tokens)
-    policy._gain.add(0.0)  # nothing accepted lately
+    for _ in range(MIN_VERIFIED):
+        policy.verified(4, 0)  # nothing accepted lately
     h.sched.update(h.worker.execute(h.sched.inflight[-1].output.plan))  # type: ignore[union-attr]
     plan = h.sched.schedule()
     assert plan is not None and not plan.proposals
@@ -231,7 +232,7 @@ def test_the_policy_speculates_below_the_batch_size_where_it_stops_paying() -> N
 def test_a_policy_without_timings_backs_off_on_acceptance() -> None:
     policy = SpeculationPolicy(4)
     assert policy.active(1)  # nothing measured: try
-    for _ in range(30):
+    for _ in range(MIN_VERIFIED):
         policy.verified(4, 0)
     assert [policy.active(1) for _ in range(PROBE_INTERVAL)].count(True) == 1
     assert not SpeculationPolicy(0).active(1)

@@ -118,6 +118,21 @@ def test_greedy_matches_transformers(
         assert sched.preemptions["recompute"] > 0 and sched.preemptions["swap"] == 0
 
 
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_with_prompt_lookup_matches_transformers(
+    scenario: str, engine_factory, expected: dict[int, list[int]]
+) -> None:
+    """Speculative decoding (prompt lookup, 4 tokens a step) changes no token."""
+    llm = engine_factory(num_speculative_tokens=4, **SCENARIOS[scenario])
+    log = PlanLog(llm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(PROMPTS, greedy)
+    for index, completion in enumerate(outputs):
+        assert completion.token_ids == expected[index], f"prompt {index} ({scenario})"
+    assert check_invariants(llm.scheduler) == []
+    assert log.count("proposals") > 0
+
+
 def test_n_samples_fork_with_copy_on_write(engine_factory, expected: dict[int, list[int]]) -> None:
     llm = engine_factory(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=64)
     log = PlanLog(llm)
