@@ -28,8 +28,10 @@ distinct suffix); pressure (a KV pool far smaller than the working set, forcing
 preemption); json (all at t=0, each request constrained to a JSON schema of its own
 from a seeded family; by default against expeditor and expeditor[constraints=off],
 the same requests unconstrained, each generating as many tokens as it did
-constrained); or a JSONL file of requests ({"prompt_token_ids" | "prompt_len",
-"max_tokens", "arrival_s"}).
+constrained); lookup (chat requests asking to repeat, edit or extend a passage of the
+prompt, through the model's chat template: by default against expeditor and
+expeditor[num_speculative_tokens=4], prompt lookup's gain); or a JSONL file of
+requests ({"prompt_token_ids" | "prompt_len", "max_tokens", "arrival_s"}).
 
 Targets: expeditor (the daemons via the client library, streaming); inprocess (the
 in-process engine); static (transformers generate on padded batches of max_num_seqs,
@@ -45,15 +47,22 @@ max_concurrency= (default: every request at its arrival time), e.g.
 """
 
 
-JSON_TARGETS = ["expeditor", "expeditor[constraints=off]"]
-"""The json workload's targets unless --target says: its cost, side by side."""
+DEFAULT_TARGETS = {
+    "json": ["expeditor", "expeditor[constraints=off]"],
+    "lookup": ["expeditor", "expeditor[num_speculative_tokens=4]"],
+}
+"""Workloads' targets unless --target says: what they measure, side by side (the cost
+of constraints; the gain of prompt lookup). Others: expeditor and static."""
 
 
 @app.command(help=BENCH_HELP)
 @with_config_options
 def bench(
     workload: Annotated[
-        str, typer.Option(help="skewed | poisson | shared-prefix | pressure | json | FILE.jsonl")
+        str,
+        typer.Option(
+            help="skewed | poisson | shared-prefix | pressure | json | lookup | FILE.jsonl"
+        ),
     ] = "skewed",
     target: Annotated[
         list[str] | None,
@@ -95,13 +104,20 @@ def bench(
     if num_requests < 1:
         fail("--num-requests must be >= 1")
     try:
-        default = JSON_TARGETS if workload == "json" else ["expeditor", "static"]
+        default = DEFAULT_TARGETS.get(workload, ["expeditor", "static"])
         specs = [parse_target(t) for t in (target or default)]
-        extra = {k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None}
+    except ValueError as exc:
+        fail(escape(str(exc)))
+    checkpoint = _checkpoint(model)
+    try:
+        extra: dict[str, Any] = {
+            k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None
+        }
+        if workload == "lookup":
+            extra["model"] = checkpoint  # its prompts are the model's chat
         load = make_workload(workload, num_requests, seed, **extra)
     except (ValueError, OSError) as exc:
         fail(escape(str(exc)))
-    checkpoint = _checkpoint(model)
     base = {k: v for k, v in config_overrides.items() if v is not None}
     console = Console(stderr=True)
     with Progress(

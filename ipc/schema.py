@@ -568,6 +568,12 @@ class MetricsReply(
     histograms: dict[str, HistogramData]
     """time_to_first_token_seconds, inter_token_latency_seconds,
     e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding: proposals verified (one per sequence and step)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    """Entry i: how often the i-th token of a proposal was accepted."""
 
 
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):

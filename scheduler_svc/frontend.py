@@ -432,7 +432,9 @@ class Frontend:
         kv_usage = cpu_usage = 0.0
         preemptions: dict[str, int] = {}
         queried = hits = 0
+        spec = None
         if core is not None:
+            spec = core.speculation
             running, waiting, swapped = len(core.running), len(core.waiting), len(core.swapped)
             gpu, cpu = core.kv.pool, core.kv.cpu_pool
             kv_usage = 1 - gpu.num_free / gpu.num_blocks if gpu.num_blocks else 0.0
@@ -453,6 +455,12 @@ class Frontend:
             prefix_cache_hits=hits,
             request_success=dict(metrics.request_success),
             histograms=metrics.histograms(),
+            spec_decode_num_drafts=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position)
+            if spec
+            else [],
         )
 
     def _health(self) -> HealthStatus:

@@ -143,14 +143,34 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
         await asyncio.gather(*(one(r) for r in workload.requests))
         sampler.cancel()
         reply = await client.inspect()
+        metrics = await client.metrics()
     final = reply.snapshot
+    steps = reply.step_times_total.steps if reply.step_times_total else 0
     return TargetRun(
         timelines=timelines,
         kv_samples=samples,
         preemptions=dict(final.preemptions) if final else None,
         prefix_hit_rate=final.prefix_cache.hit_rate if final else None,
         step_times=reply.step_times_total,
+        notes=speculation_notes(
+            metrics.spec_decode_num_drafts,
+            metrics.spec_decode_num_draft_tokens,
+            metrics.spec_decode_num_accepted_tokens,
+            steps,
+        ),
     )
+
+
+def speculation_notes(drafts: int, draft_tokens: int, accepted: int, steps: int) -> list[str]:
+    """The run's speculative decoding, in a line (none when nothing was proposed)."""
+    if not drafts:
+        return []
+    per_step = f", {drafts / steps:.1f} proposals per step" if steps else ""
+    return [
+        f"speculation: {drafts} proposals of {draft_tokens / drafts:.2f} tokens{per_step}, "
+        f"{accepted / draft_tokens:.0%} of their tokens accepted "
+        f"(mean accepted length {accepted / drafts:.2f})"
+    ]
 
 
 def _waste_sample(used: int, total: int, tables: list[tuple[int, int]], bs: int) -> KVSample:
@@ -251,6 +271,12 @@ def run_inprocess(
             if sched.kv.queried_tokens
             else 0.0,
             step_times=llm.engine.times.total(),
+            notes=speculation_notes(
+                sched.speculation.num_drafts,
+                sched.speculation.num_draft_tokens,
+                sched.speculation.num_accepted_tokens,
+                sched.step,
+            ),
         )
 
 

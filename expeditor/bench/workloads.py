@@ -512,14 +512,15 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "pressure": pressure,
 }
 """Built-in workload generators by name; each is called as ``gen(num_requests, seed=...)``
-(:func:`generators` adds ``json``, whose module builds on this one)."""
+(:func:`generators` adds ``json`` and ``lookup``, whose modules build on this one)."""
 
 
 def generators() -> dict[str, Callable[..., Workload]]:
-    """Every built-in workload generator by name, ``json`` included."""
+    """Every built-in workload generator by name, ``json`` and ``lookup`` included."""
     from expeditor.bench.json_workload import json_schemas
+    from expeditor.bench.lookup_workload import lookup
 
-    return {**WORKLOADS, "json": json_schemas}
+    return {**WORKLOADS, "json": json_schemas, "lookup": lookup}
 
 
 def _check_overrides(

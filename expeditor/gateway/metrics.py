@@ -41,6 +41,9 @@ _COUNTERS = (
     ("generation_tokens", "Tokens generated."),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("spec_decode_num_drafts", "Speculative decoding: proposals verified."),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."),
 )
 _HISTOGRAMS = {
     "time_to_first_token_seconds": "Arrival to first token, seconds.",
@@ -74,6 +77,14 @@ class _ReplyCollector(Collector):
         for mode, count in sorted(reply.num_preemptions.items()):
             preemptions.add_metric([*model, mode], float(count))
         yield preemptions
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: proposed tokens accepted, by position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(reply.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([*model, str(position)], float(count))
+        yield per_position
         success = CounterMetricFamily(
             PREFIX + "request_success",
             "Requests finished, by the finish reason of their first sample.",

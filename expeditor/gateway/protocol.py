@@ -4,10 +4,11 @@ their translation into :class:`~shared.sampling.SamplingParams`.
 Fields follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``priority``:
-lower is served first). No field is dropped silently: a field this server does not know
-is a 400 naming it, those of :data:`IGNORED` are accepted with no effect (each with its
-reason), and known features it does not implement (:data:`REFUSED`, ``suffix``) are a
-400 naming the field.
+lower is served first), and this server's ``num_speculative_tokens`` (speculative
+decoding for this request: at most the server's, 0 = off). No field is dropped
+silently: a field this server does not know is a 400 naming it, those of
+:data:`IGNORED` are accepted with no effect (each with its reason), and known features
+it does not implement (:data:`REFUSED`, ``suffix``) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     best_of: Int | None = None
     prompt_logprobs: Int | None = None
     """vLLM: the prompt tokens' logprobs, with this many top tokens per position."""
+    num_speculative_tokens: Int | None = None
+    """Tokens prompt lookup may propose per step for this request (at most the
+    server's ``num_speculative_tokens``; 0 = none; unset = the server's)."""
     # structured output, in every form (one per request): vLLM's, its older guided_*
     # fields, llama.cpp's; response_format is the endpoints' own
     structured_outputs: dict[str, Any] | None = None
@@ -197,6 +201,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "seed": self.seed,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs,
+            "num_speculative_tokens": self.num_speculative_tokens,
         }
         for name in ("temperature", "top_p", "min_p") + PENALTIES:
             if getattr(self, name) is not None:

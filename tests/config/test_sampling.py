@@ -270,6 +270,6 @@ def test_defaults_are_omitted_on_the_wire() -> None:
 
 
 def test_speculation_does_not_go_with_structured_outputs() -> None:
-    with pytest.raises(InvalidRequestError, match="^num_speculative_tokens: .*structured"):
+    with pytest.raises(InvalidRequestError, match=r"^num_speculative_tokens: .*structured"):
         SamplingParams(num_speculative_tokens=2, structured_outputs={"regex": "a+"})
     assert SamplingParams(num_speculative_tokens=0, structured_outputs={"regex": "a+"})

@@ -492,6 +492,10 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
         ({"model": model_name, "prompt": "x", "response_format": {"type": "xml"}},
          "response_format"),
         ({"model": model_name, "prompt": "x", "no_such_field": 1}, "no_such_field"),
+        ({"model": model_name, "prompt": "x", "num_speculative_tokens": 17},
+         "num_speculative_tokens"),
+        ({"model": model_name, "prompt": "x", "num_speculative_tokens": 2,
+          "response_format": {"type": "json_object"}}, "num_speculative_tokens"),
         ({"model": model_name, "prompt": [[1, 2], 3]}, "prompt"),
         ({"model": model_name}, "prompt"),
         ({"model": model_name, "prompt": "x", "stream_options": {"include_usage": True}},
@@ -534,6 +538,11 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
         _post(url, "/v1/completions", {"model": model_name, "prompt": [1, 10**6]})
     )
     assert status == 400 and "vocab" in error["message"]
+    body = {"model": model_name, "prompt": "x", "num_speculative_tokens": 2}
+    status, error = _error(_post(url, "/v1/completions", body))
+    assert status == 400 and error["message"].startswith(
+        "num_speculative_tokens: 2 exceeds the server's num_speculative_tokens (0; "
+    )
     for field, value in (("logit_bias", {"1000000": 1.0}), ("allowed_token_ids", [10**6])):
         body = {"model": model_name, "prompt": "x", field: value}
         status, error = _error(_post(url, "/v1/completions", body))

@@ -314,6 +314,10 @@ def test_rendered_metrics_parse_with_cumulative_buckets() -> None:
         prefix_cache_queries=100,
         prefix_cache_hits=32,
         request_success={"stop": 2, "length": 5},
+        spec_decode_num_drafts=6,
+        spec_decode_num_draft_tokens=24,
+        spec_decode_num_accepted_tokens=9,
+        spec_decode_num_accepted_tokens_per_pos=[5, 3, 1, 0],
         histograms={
             "time_to_first_token_seconds": HistogramData(
                 bounds=[0.1, 1.0], counts=[3, 1, 2], sum=9.5, count=6
@@ -330,6 +334,10 @@ def test_rendered_metrics_parse_with_cumulative_buckets() -> None:
     assert samples[("expeditor:kv_cache_usage_perc", model)] == 0.25
     assert samples[("expeditor:prefix_cache_hits_total", model)] == 32
     assert samples[("expeditor:num_preemptions_total", (("mode", "swap"), *model))] == 4
+    assert samples[("expeditor:spec_decode_num_draft_tokens_total", model)] == 24
+    assert samples[("expeditor:spec_decode_num_accepted_tokens_total", model)] == 9
+    per_pos = "expeditor:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [samples[(per_pos, (*model, ("position", str(i))))] for i in range(4)] == [5, 3, 1, 0]
     success = (("finished_reason", "abort"), *model)
     assert samples[("expeditor:request_success_total", success)] == 0
     ttft = "expeditor:time_to_first_token_seconds"
