@@ -414,29 +414,34 @@ class ModelRunner:
                 continue
             seq = item.seq
             p = seq.sampling
+            proposed = item.num_proposed
             if (
                 item.num_samples != 1
-                or item.num_proposed
                 or p.seed is not None
                 or p.logprobs is not None
                 or (p.temperature != 0 and p.top_k != 1)
-                or seq.num_output_tokens < p.min_tokens
+                or seq.num_output_tokens - proposed < p.min_tokens
                 or p.shapes_logits
             ):
                 return self._sample_rows(batch, inputs, hidden, token_masks)
-            rows.append(ends[index + 1] - 1)
-            owners.append(seq.seq_id)
+            last = ends[index + 1] - 1
+            rows.extend(range(last - proposed, last + 1))
+            owners.extend([seq.seq_id] * (proposed + 1))
         if not rows:
             return {}, None
         # All greedy, one sample each, nothing masked, no logprobs: the sampler's own
         # fast path (one argmax, one transfer), without building its per-row lists.
         logits = self.logits(self._rows(hidden, rows))
         tokens: list[int] = self.staging.to_host(logits.float().argmax(dim=-1))
-        return {seq_id: [token] for seq_id, token in zip(owners, tokens, strict=True)}, None
+        sampled: dict[str, list[int]] = {}
+        for seq_id, token in zip(owners, tokens, strict=True):
+            sampled.setdefault(seq_id, []).append(token)
+        return sampled, None
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]``; ``hidden`` itself when ``rows`` are all of its rows (distinct,
-        increasing: every sequence samples from its last token)."""
+        increasing: every sequence samples from its last token, a speculating one from
+        each of its tokens)."""
         if len(rows) == hidden.shape[0]:
             return hidden
         index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]

@@ -280,7 +280,8 @@ class Scheduler(SequenceEnding):
         kv = self.kv
         step = InflightStep(self.step)
         budget = cfg.max_num_batched_tokens
-        speculate = self._speculating = self.speculation.active(len(self.running))
+        proposal_length = self.speculation.length(len(self.running))
+        self._speculating = proposal_length > 0
 
         if cfg.policy == "priority":
             self._make_room(step, budget)
@@ -305,11 +306,13 @@ class Scheduler(SequenceEnding):
                 index += 1  # it may end with the token in flight: wait for it
                 continue
             if (
-                speculate
+                proposal_length
                 and num_new == 1
                 and not pending
                 and not seq.pending_forks
-                and self._schedule_proposal(seq, budget, len(running) - index - 1, step)
+                and self._schedule_proposal(
+                    seq, min(proposal_length, budget - 1), len(running) - index - 1, step
+                )
             ):
                 budget -= step.num_scheduled[seq.seq_id]
                 if seq.num_computed_tokens % bs == 0:
@@ -415,15 +418,14 @@ class Scheduler(SequenceEnding):
             or seq.constraint is not None
         )
 
-    def _schedule_proposal(
-        self, seq: Sequence, budget: int, later: int, step: InflightStep
-    ) -> bool:
-        """Schedule ``seq``'s decode with the proposer's tokens after it, within the
-        token ``budget``, its length limit and the blocks beyond one for each of the
-        ``later`` running sequences; False (nothing done) without a proposal that fits."""
+    def _schedule_proposal(self, seq: Sequence, k: int, later: int, step: InflightStep) -> bool:
+        """Schedule ``seq``'s decode with up to ``k`` of the proposer's tokens after it,
+        within its request's setting, its length limit and the blocks beyond one for each
+        of the ``later`` running sequences; False (nothing done) without a proposal that
+        fits."""
         k = min(
+            k,
             seq.request.num_speculative_tokens,
-            budget - 1,
             seq.max_num_tokens - len(seq.token_ids) - 1,  # the tokens it may still get
         )
         if k <= 0:
@@ -562,7 +564,8 @@ class Scheduler(SequenceEnding):
         finished = SeqStatus.FINISHED
         proposals = done.proposals
         if self.speculation.k:
-            self.speculation.timed(output.plan.total_tokens, result.timing.forward_s)
+            timing = result.timing
+            self.speculation.timed(output.plan.total_tokens, timing.forward_s + timing.sample_s)
         for seq in done.sampling:
             seq.num_placeholders -= 1
             if seq.status is finished:

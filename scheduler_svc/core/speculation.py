@@ -9,14 +9,17 @@ and, for a seeded request, draw for draw; a proposal only decides how many of th
 tokens one step yields.
 
 Proposals come from a :class:`Proposer`; :class:`PromptLookup` (n-gram matching over
-the sequence's own tokens) is the one built in. Whether to propose at all is
-:class:`SpeculationPolicy`'s call each step, from what it measured: the mean tokens a
-proposal gains, and a fit of the workers' forward time against the tokens a step
-computes. Proposing ``k`` more tokens for each of ``B`` sequences gains ``A`` tokens
-each (``A``: accepted tokens per proposal) and costs ``b * k`` each (``b``: seconds per
-token); one step of ``B`` decodes costs ``a + b * B``. It pays while ``A * (a + b * B) >
-b * B * k``, i.e. at batch sizes below ``A * a / (b * (k - A))``. While it is off the
-policy still speculates one step in :data:`PROBE_INTERVAL` to keep ``A`` current.
+the sequence's own tokens) is the one built in. How many tokens to propose is
+:class:`SpeculationPolicy`'s call each step, from what it measured: how often a proposed
+token at each position is accepted when those before it were, and a fit of the workers'
+step time (forward and sampling) against the tokens a step computes, ``a + b * tokens``.
+The ``j``-th proposed token of each of ``B`` decodes costs ``b`` to verify and yields a
+token with the chance ``r_j`` that it is reached and accepted, a token a plain step of
+``B`` decodes makes for ``(a + b * B) / B``; the policy proposes up to the last ``j``
+with ``r_j * (a + b * B) / B > b`` (0: none this step). A batch large enough that the
+fixed cost per sequence falls under the verification cost turns proposals off; while
+they are off the policy still proposes ``k`` tokens one step in :data:`PROBE_INTERVAL`
+to keep its measure current.
 """
 
 from __future__ import annotations
@@ -67,52 +70,61 @@ class PromptLookup:
 
 
 class SpeculationPolicy:
-    """Whether speculating pays this step, and the counts ``/metrics`` reports."""
+    """How many tokens the decodes of this step may propose (0: none), from what was
+    measured; and the counts ``/metrics`` reports."""
 
     def __init__(self, num_speculative_tokens: int, *, backoff: bool = True) -> None:
         self.k = num_speculative_tokens
         self.backoff = backoff
-        """False: every step may propose, whatever was measured."""
+        """False: every step may propose ``k`` tokens, whatever was measured."""
         self.num_drafts = 0
         """Proposals verified (one per sequence and step that proposed)."""
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_speculative_tokens
         """How often proposal ``i`` (0-based) of a proposal was accepted."""
-        self.num_steps = 0
-        """Steps planned with speculation allowed."""
-        self._gain = _Mean()
-        """Accepted tokens per proposal."""
-        self._length = _Mean()
-        """Tokens per proposal."""
+        self._accepts = [_Mean() for _ in range(num_speculative_tokens)]
+        """Per position: how often a proposed token there was accepted when every one
+        before it was (the chance a proposal goes on)."""
         self._fit = _LinearFit()
-        """Forward seconds against tokens computed, per step."""
+        """Step seconds (forward and sampling) against tokens computed."""
         self._since_probe = 0
 
-    def active(self, num_running: int) -> bool:
-        """Whether this step's decodes may propose (``num_running`` sequences run)."""
+    def length(self, num_running: int) -> int:
+        """Tokens each decode of this step may propose (``num_running`` sequences run)."""
         if not self.k:
-            return False
-        if not self.backoff or self._pays(num_running):
+            return 0
+        best = self._best_length(num_running) if self.backoff else self.k
+        if best:
             self._since_probe = 0
-            return True
+            return best
         self._since_probe += 1
         if self._since_probe >= PROBE_INTERVAL:
             self._since_probe = 0
-            return True
-        return False
+            return self.k
+        return 0
 
-    def _pays(self, batch: int) -> bool:
-        if self._gain.count < MIN_VERIFIED:
-            return True  # too little measured yet: try
-        gain = self._gain.value
+    def _best_length(self, batch: int) -> int:
+        """The longest proposal whose last token still pays: the chance it is reached
+        and accepted, times what a token costs a plain decode step, beats what verifying
+        it costs. Before enough is measured: ``k`` (try)."""
+        if self.num_drafts < MIN_VERIFIED:
+            return self.k
         line = self._fit.line()
         if line is None:  # no timing (a fake worker), or one step size only
-            return gain >= 0.5
-        fixed, per_token = line
-        if per_token <= 0:
-            return gain > 0
-        return gain * (fixed + per_token * batch) > per_token * batch * self._length.value
+            worth, cost = 1.0, 0.5  # a token must be accepted half the time
+        else:
+            fixed, per_token = line
+            if per_token <= 0:
+                return self.k
+            batch = max(batch, 1)
+            worth, cost = (fixed + per_token * batch) / batch, per_token
+        reached = 1.0
+        for position, accepts in enumerate(self._accepts):
+            reached *= accepts.value if accepts.count else 1.0
+            if reached * worth <= cost:
+                return position
+        return self.k
 
     def verified(self, num_draft: int, num_accepted: int) -> None:
         """A proposal of ``num_draft`` tokens came back with ``num_accepted`` accepted."""
@@ -122,13 +134,16 @@ class SpeculationPolicy:
         per_position = self.accepted_per_position
         for position in range(num_accepted):
             per_position[position] += 1
-        self._gain.add(num_accepted)
-        self._length.add(num_draft)
+        accepts = self._accepts
+        for position in range(num_accepted):
+            accepts[position].add(1.0)
+        if num_accepted < num_draft:
+            accepts[num_accepted].add(0.0)
 
-    def timed(self, num_tokens: int, forward_s: float) -> None:
-        """A step computed ``num_tokens`` tokens in ``forward_s`` (0: not timed)."""
-        if forward_s > 0 and num_tokens > 0:
-            self._fit.add(num_tokens, forward_s)
+    def timed(self, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` tokens in ``seconds`` (0: not timed)."""
+        if seconds > 0 and num_tokens > 0:
+            self._fit.add(num_tokens, seconds)
 
     @property
     def acceptance_rate(self) -> float:

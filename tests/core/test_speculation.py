@@ -85,7 +85,7 @@ def simulate(config: SchedulerConfig, *, overlap: bool, acceptance: float | None
 @pytest.mark.parametrize(
     ("overlap", "mode"), [(False, "swap"), (True, "recompute")], ids=["step-exact", "overlap"]
 )
-@pytest.mark.parametrize("acceptance", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("acceptance", [0.0, 0.8, 1.0])
 def test_a_trace_with_proposals_keeps_every_invariant_and_every_output(
     acceptance: float, overlap: bool, mode: str
 ) -> None:
@@ -205,8 +205,7 @@ def test_speculation_plans_one_step_at_a_time_and_overlap_resumes_when_it_stops(
     assert not h.sched.can_plan_ahead()
     # Measured: a step costs its tokens only (no fixed part), so proposals never pay.
     policy = h.sched.speculation
-    for tokens in range(1, 40):
-        policy.timed(tokens, 0.001 * tokens)
+    measured(policy, 0.0, 0.001)
     for _ in range(MIN_VERIFIED):
         policy.verified(4, 0)  # nothing accepted lately
     h.sched.update(h.worker.execute(h.sched.inflight[-1].output.plan))  # type: ignore[union-attr]
@@ -215,27 +214,44 @@ def test_speculation_plans_one_step_at_a_time_and_overlap_resumes_when_it_stops(
     assert h.sched.can_plan_ahead()
 
 
-def test_the_policy_speculates_below_the_batch_size_where_it_stops_paying() -> None:
+def measured(policy: SpeculationPolicy, fixed: float, per_token: float) -> None:
+    for tokens in (1, 2, 4, 8, 16, 32, 64):
+        policy.timed(tokens, fixed + per_token * tokens)
+
+
+def test_the_policy_proposes_as_far_as_the_last_token_pays() -> None:
     policy = SpeculationPolicy(4)
-    for batch in (1, 2, 4, 8, 16, 32, 64):  # 10 ms fixed, 0.5 ms a token
-        policy.timed(batch, 0.010 + 0.0005 * batch)
-    for _ in range(50):
-        policy.verified(4, 2)  # two of four accepted
-    # pays while 2 * (10 + 0.5 B) > 0.5 * B * 4, i.e. B < 20
-    assert policy.active(8) and policy.active(19)
-    decisions = [policy.active(21) for _ in range(2 * PROBE_INTERVAL)]
-    assert decisions.count(True) == 2  # the probes only
+    measured(policy, 0.010, 0.0005)  # 10 ms a step, 0.5 ms a token
+    for _ in range(MIN_VERIFIED):
+        policy.verified(4, 2)  # always two accepted, the third rejected
+    # the third token is never accepted: two pay at any batch size
+    assert [policy.length(b) for b in (1, 8, 64)] == [2, 2, 2]
     assert policy.acceptance_rate == 0.5
-    assert policy.accepted_per_position == [50, 50, 0, 0]
+    assert policy.accepted_per_position == [16, 16, 0, 0]
+
+
+def test_the_policy_stops_proposing_where_a_batch_makes_it_a_loss() -> None:
+    policy = SpeculationPolicy(4)
+    measured(policy, 0.010, 0.0005)
+    for _ in range(MIN_VERIFIED):  # each token accepted half the time
+        for accepted in (0, 1, 0, 2, 0, 1, 0, 3):
+            policy.verified(4, accepted)
+    # token j is reached and accepted with 0.5**j; it pays while
+    # 0.5**j * (10 + 0.5 B) / B > 0.5
+    assert [policy.length(b) for b in (1, 8, 19)] == [3, 1, 1]  # the 4th: never accepted
+    decisions = [policy.length(40) for _ in range(2 * PROBE_INTERVAL)]
+    assert decisions.count(0) == 2 * PROBE_INTERVAL - 2  # probes only, with every token
+    assert set(decisions) == {0, 4}
 
 
 def test_a_policy_without_timings_backs_off_on_acceptance() -> None:
     policy = SpeculationPolicy(4)
-    assert policy.active(1)  # nothing measured: try
+    assert policy.length(1) == 4  # nothing measured: try
     for _ in range(MIN_VERIFIED):
         policy.verified(4, 0)
-    assert [policy.active(1) for _ in range(PROBE_INTERVAL)].count(True) == 1
-    assert not SpeculationPolicy(0).active(1)
+    assert [policy.length(1) for _ in range(PROBE_INTERVAL)].count(4) == 1
+    assert SpeculationPolicy(0).length(1) == 0
+    assert SpeculationPolicy(4, backoff=False).length(1) == 4
 
 
 def test_forks_speculate_each_on_their_own() -> None:
