@@ -87,7 +87,7 @@ class SpeculationPolicy:
         """Per position: how often a proposed token there was accepted when every one
         before it was (the chance a proposal goes on)."""
         self._fit = _LinearFit()
-        """Step seconds (forward and sampling) against tokens computed."""
+        """Decode steps' seconds (forward and sampling) against tokens computed."""
         self._since_probe = 0
 
     def length(self, num_running: int) -> int:
