@@ -57,7 +57,12 @@ from scheduler_svc.core.request import (
     Sequence,
     TokenConstraint,
 )
-from scheduler_svc.core.speculation import PromptLookup, Proposer, SpeculationPolicy
+from scheduler_svc.core.speculation import (
+    PromptLookup,
+    Proposer,
+    SpeculationPolicy,
+    SpeculativeSteps,
+)
 from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
@@ -68,7 +73,7 @@ def _sort_key(seq: Sequence) -> QueueKey:
     return seq.key
 
 
-class Scheduler(SequenceEnding):
+class Scheduler(SequenceEnding, SpeculativeSteps):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -418,28 +423,6 @@ class Scheduler(SequenceEnding):
             or seq.constraint is not None
         )
 
-    def _schedule_proposal(self, seq: Sequence, k: int, later: int, step: InflightStep) -> bool:
-        """Schedule ``seq``'s decode with up to ``k`` of the proposer's tokens after it,
-        within its request's setting, its length limit and the blocks beyond one for each
-        of the ``later`` running sequences; False (nothing done) without a proposal that
-        fits."""
-        k = min(
-            k,
-            seq.request.num_speculative_tokens,
-            seq.max_num_tokens - len(seq.token_ids) - 1,  # the tokens it may still get
-        )
-        if k <= 0:
-            return False
-        proposal = self.proposer.propose(seq, k)
-        if not proposal:
-            return False
-        num_new = 1 + len(proposal)
-        if not self.kv.can_append(seq, num_new, self.watermark_blocks + later):
-            return False
-        appended, cow = self.kv.append(seq, num_new)
-        step.add(seq, num_new, appended, cow, proposal)
-        return True
-
     def _decode_at_block_edge(self, seq: Sequence, slot: int, step: InflightStep) -> bool:
         """Schedule a known decode that opens a block (``slot`` 0: one block from the
         pool) or fills its block (the last slot, not shared), registering the full blocks
@@ -613,35 +596,6 @@ class Scheduler(SequenceEnding):
                     self._append_token(child, token, output, entries[index] if entries else None)
             self._append_token(seq, tokens[0], output, entries[0] if entries else None)
         return output
-
-    def _accept(
-        self,
-        seq: Sequence,
-        proposal: list[int],
-        tokens: list[int] | None,
-        entries: list[dict[int, float]] | None,
-        output: StepOutput,
-    ) -> None:
-        """Apply a speculating sequence's result: its accepted proposals and the token
-        after them, up to the first that ends it; then only what they computed stays
-        computed, and blocks past it go back to the pool."""
-        if (
-            not tokens
-            or len(tokens) > len(proposal) + 1
-            or tokens[:-1] != proposal[: len(tokens) - 1]
-            or (entries is not None and len(entries) != len(tokens))
-        ):
-            raise WorkerProtocolError(
-                f"{seq.seq_id}: tokens {tokens} do not answer the proposal {proposal}"
-            )
-        self.speculation.verified(len(proposal), len(tokens) - 1)
-        for position, token in enumerate(tokens):
-            self._append_token(seq, token, output, entries[position] if entries else None)
-            if seq.status is SeqStatus.FINISHED:
-                return
-        if seq.status is SeqStatus.RUNNING:
-            seq.num_computed_tokens = len(seq.token_ids) - 1
-            self.kv.truncate(seq, self.kv.blocks_for(seq.num_computed_tokens))
 
     def _fork(self, parent: Sequence, sample_index: int) -> Sequence:
         request = parent.request

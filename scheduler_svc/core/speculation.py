@@ -24,12 +24,23 @@ to keep its measure current.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+from ipc.schema import SeqStatus
+from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.ngram import NgramIndex
 from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 
-__all__ = ["PROBE_INTERVAL", "PromptLookup", "Proposer", "SpeculationPolicy"]
+__all__ = [
+    "MIN_VERIFIED",
+    "PROBE_INTERVAL",
+    "PromptLookup",
+    "Proposer",
+    "SpeculationPolicy",
+    "SpeculativeSteps",
+]
 
 PROBE_INTERVAL = 32
 """While speculation does not pay, one step in this many speculates anyway (a measure
@@ -191,3 +202,66 @@ class _LinearFit:
             return None
         slope = (self.xy / self.n - mean_x * self.y / self.n) / spread
         return max(self.y / self.n - slope * mean_x, 0.0), slope
+
+
+class SpeculativeSteps:
+    """The step's speculative part, a base of :class:`~scheduler_svc.core.scheduler.
+    Scheduler` (as ``SequenceEnding`` is): a decode scheduled with its proposal, and
+    its result applied over the accepted run; it works on the scheduler's state below."""
+
+    kv: KVCacheManager
+    proposer: Proposer
+    speculation: SpeculationPolicy
+    watermark_blocks: int
+    _append_token: Callable[[Sequence, int, StepOutput, dict[int, float] | None], None]
+
+    def _schedule_proposal(self, seq: Sequence, k: int, later: int, step: InflightStep) -> bool:
+        """Schedule ``seq``'s decode with up to ``k`` of the proposer's tokens after it,
+        within its request's setting, its length limit and the blocks beyond one for each
+        of the ``later`` running sequences; False (nothing done) without a proposal that
+        fits."""
+        k = min(
+            k,
+            seq.request.num_speculative_tokens,
+            seq.max_num_tokens - len(seq.token_ids) - 1,  # the tokens it may still get
+        )
+        if k <= 0:
+            return False
+        proposal = self.proposer.propose(seq, k)
+        if not proposal:
+            return False
+        num_new = 1 + len(proposal)
+        if not self.kv.can_append(seq, num_new, self.watermark_blocks + later):
+            return False
+        appended, cow = self.kv.append(seq, num_new)
+        step.add(seq, num_new, appended, cow, proposal)
+        return True
+
+    def _accept(
+        self,
+        seq: Sequence,
+        proposal: list[int],
+        tokens: list[int] | None,
+        entries: list[dict[int, float]] | None,
+        output: StepOutput,
+    ) -> None:
+        """Apply a speculating sequence's result: its accepted proposals and the token
+        after them, up to the first that ends it; then only what they computed stays
+        computed, and blocks past it go back to the pool."""
+        if (
+            not tokens
+            or len(tokens) > len(proposal) + 1
+            or tokens[:-1] != proposal[: len(tokens) - 1]
+            or (entries is not None and len(entries) != len(tokens))
+        ):
+            raise WorkerProtocolError(
+                f"{seq.seq_id}: tokens {tokens} do not answer the proposal {proposal}"
+            )
+        self.speculation.verified(len(proposal), len(tokens) - 1)
+        for position, token in enumerate(tokens):
+            self._append_token(seq, token, output, entries[position] if entries else None)
+            if seq.status is SeqStatus.FINISHED:
+                return
+        if seq.status is SeqStatus.RUNNING:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            self.kv.truncate(seq, self.kv.blocks_for(seq.num_computed_tokens))
