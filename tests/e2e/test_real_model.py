@@ -17,12 +17,14 @@ If the package cannot be installed the tests fail with pip's message (no skip).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from support.hf_reference import hf_greedy, hf_greedy_steps
-from support.http import post_json
+from support.http import get, post, post_json
 from support.serve import running_http_serve
 from transformers import AutoTokenizer
 
@@ -165,3 +167,80 @@ def check_bfloat16(checkpoint: Path, prompts: list[list[int]], device: str) -> N
             compared += 1
     assert worst < BF16_LOGPROB, f"largest logprob difference {worst:.3f}"
     assert compared >= len(prompts) * 4
+
+
+LOOKUP_GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def lookup_prompts(checkpoint: Path) -> list[list[int]]:
+    """Chat requests whose answers copy their prompts (the lookup bench workload's)."""
+    from expeditor.bench.lookup_workload import lookup
+
+    return [r.prompt_token_ids for r in lookup(4, seed=1, model=checkpoint).requests]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
+        {"num_gpu_blocks": 64, "block_size": 4, "preemption_mode": "swap", "watermark": 0.0},
+        {"num_gpu_blocks": 64, "block_size": 4, "preemption_mode": "recompute", "watermark": 0.0},
+    ],
+    ids=["chunked-prefix", "swap", "recompute"],
+)
+def test_float32_greedy_with_prompt_lookup_is_unchanged(
+    lookup_prompts: list[list[int]], schedule: dict[str, object]
+) -> None:
+    """Prompt lookup (4 tokens a step, overlap on) changes no token, n=3 included."""
+    params = [LOOKUP_GREEDY] * 3 + [msgspec.structs.replace(LOOKUP_GREEDY, n=3)]
+    outputs = {}
+    for k in (0, 4):
+        with LLM(NAME, device="cpu", dtype="float32", num_speculative_tokens=k, **schedule) as llm:
+            done = llm.generate(lookup_prompts, params)
+            outputs[k] = [[s.token_ids for s in c.samples] for c in done]
+            spec = llm.scheduler.speculation
+            preempted = sum(llm.scheduler.preemptions.values())
+    assert outputs[4] == outputs[0]
+    assert spec.num_accepted_tokens > 0.5 * spec.num_draft_tokens
+    if "num_gpu_blocks" in schedule:
+        assert preempted > 0, "the small pool was meant to preempt"
+
+
+def test_served_prompt_lookup_answers_as_without_it(lookup_prompts: list[list[int]]) -> None:
+    """Through serve and the gateway (proposals in the plans, the worker daemon
+    verifying them): the answer, whole and streamed, is the one without proposals, and
+    /metrics counts the accepted tokens."""
+    with LLM(NAME, device="cpu", dtype="float32") as llm:
+        expected = llm.generate(lookup_prompts[:1], LOOKUP_GREEDY)[0].token_ids
+    flags = ("--dtype=float32", "--cpu-threads=1", "--num-speculative-tokens=4")
+    with running_http_serve(Path(NAME), *flags, timeout_s=300) as (_, url, _):
+        body = {
+            "model": NAME,
+            "prompt": lookup_prompts[0],
+            "max_tokens": 48,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        }
+        status, reply = post_json(url, "/v1/completions", body, timeout=120)
+        assert status == 200, reply
+        tokens = [
+            int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]
+        ]
+        assert tokens == expected
+        status, _, stream = post(url, "/v1/completions", {**body, "stream": True}, timeout=120)
+        assert status == 200
+        streamed = [
+            int(t.removeprefix("token_id:"))
+            for line in stream.decode().splitlines()
+            if line.startswith("data: {")
+            for t in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+        ]
+        assert streamed == expected
+        status, metrics = get(url, "/metrics", timeout=30)
+        accepted = [
+            line for line in metrics.decode().splitlines()
+            if line.startswith("expeditor:spec_decode_num_accepted_tokens_total")
+        ]  # fmt: skip
+        assert status == 200 and accepted and float(accepted[0].split()[-1]) > 0

@@ -10,6 +10,7 @@ unseeded ones is the same (a chi-square test over the second and third tokens).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,9 @@ from gpu_worker.tiny_model import ARCHS
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.introspection import check_invariants
 from shared.sampling import SamplingParams
+
+DEVICE = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
+"""``cuda`` runs these on the GPU (Triton kernels), in float32."""
 
 REPEATING = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 10 + [40], list(range(50, 70)) * 2]
 """Prompts a model tends to continue by copying: prompt lookup proposes there."""
@@ -71,7 +75,7 @@ def engine(tiny_checkpoint: Callable[[str], Path]) -> Iterator[Callable[..., LLM
 
     def make(arch: str = "llama", **config: object) -> LLM:
         llm = LLM(
-            tiny_checkpoint(arch), device="cpu", dtype=torch.float32, max_model_len=256, **config
+            tiny_checkpoint(arch), device=DEVICE, dtype=torch.float32, max_model_len=256, **config
         )
         made.append(llm)
         return llm
