@@ -36,6 +36,7 @@ SUMMARY_KEYS = {
     "preemptions",
     "wait_steps",
     "step_time_us",
+    "speculation",
     "invariants_ok",
 }
 
@@ -95,6 +96,28 @@ def test_simulate_writes_steps_and_summary(tmp_path: Path) -> None:
     assert generated < summary["generated_tokens"] <= generated + 50
     last = records[-1]
     assert last["free_gpu_blocks"] == 16 and last["num_running"] == 0
+
+
+def test_simulate_with_proposals_counts_them(tmp_path: Path) -> None:
+    trace = write_lines(
+        tmp_path / "t.jsonl",
+        [{"id": f"r{i}", "arrival_step": i, "prompt_len": 8, "max_tokens": 40} for i in range(4)],
+    )
+    common = ["simulate", "--trace", str(trace), "--json", "--num-gpu-blocks", "64"]
+    common += ["--block-size", "4", "--verify-kv", "--check-invariants"]
+    plain = json.loads(runner.invoke(app, common).stdout)
+    result = runner.invoke(
+        app, [*common, "--num-speculative-tokens", "4", "--proposal-acceptance", "1.0"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    counts = summary["speculation"]
+    assert counts["proposals"] > 0 and counts["accepted_tokens"] == counts["proposed_tokens"]
+    assert summary["generated_tokens"] == plain["generated_tokens"] == 160
+    assert summary["steps"] < plain["steps"] / 2
+    assert plain["speculation"]["proposals"] == 0
+    refused = runner.invoke(app, [*common, "--proposal-acceptance", "1.5"])
+    assert refused.exit_code != 0 and "proposal-acceptance" in refused.output
 
 
 def test_simulate_table_output_and_config_file(tmp_path: Path) -> None:
