@@ -45,7 +45,7 @@ setup_venv() {
 
 # mutmut names a mutant module.path.xǁClassǁmethod__mutmut_N (x_function__mutmut_N).
 declare -A GLOBS=(
-    [scheduler]="scheduler_svc.core.scheduler.* scheduler_svc.core.kv_manager.* scheduler_svc.core.block_pool.* scheduler_svc.core.policies.* scheduler_svc.core.queues.* scheduler_svc.core.ngram.*"
+    [scheduler]="scheduler_svc.core.scheduler.* scheduler_svc.core.kv_manager.* scheduler_svc.core.block_pool.* scheduler_svc.core.policies.* scheduler_svc.core.queues.* scheduler_svc.core.ngram.* scheduler_svc.core.speculation.*"
     [sampler]="gpu_worker.sampler.* gpu_worker.logits_shaping.* gpu_worker.prompt_logprobs.*"
     [detokenizer]="scheduler_svc.detokenizer.*"
 )
@@ -86,6 +86,7 @@ MODULES = {
         "scheduler_svc/core/policies.py",
         "scheduler_svc/core/queues.py",
         "scheduler_svc/core/ngram.py",
+    "scheduler_svc/core/speculation.py",
     ],
     "sampler": ["gpu_worker/sampler.py", "gpu_worker/logits_shaping.py", "gpu_worker/prompt_logprobs.py"],
     "detokenizer": ["scheduler_svc/detokenizer.py"],
