@@ -39,7 +39,7 @@ from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
 from gpu_worker.token_bitmask import apply_bitmask, pack_rows
-from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState
+from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, accepted_run
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
 from shared.checkpoint import capped_max_len
 from shared.sampling import SamplingParams
@@ -543,17 +543,13 @@ def accepted_runs(
     logprobs: dict[str, list[dict[int, float]]] | None,
     proposals: dict[str, list[int]],
 ) -> None:
-    """Cut each speculating sequence's draws (one per position: after the known tokens,
-    after the first proposed one, ...) to its result, in place: the draws while they
-    equal the proposal, then the first that does not (or the one after all of it)."""
+    """Cut each speculating sequence's draws (one per position) and their logprobs to
+    its result, in place (:func:`ipc.plan_state.accepted_run`)."""
     for seq_id, proposal in proposals.items():
-        draws = sampled[seq_id]
-        accepted = 0
-        while accepted < len(proposal) and draws[accepted] == proposal[accepted]:
-            accepted += 1
-        del draws[accepted + 1 :]
+        kept = accepted_run(sampled[seq_id], proposal)
+        del sampled[seq_id][kept:]
         if logprobs and seq_id in logprobs:
-            del logprobs[seq_id][accepted + 1 :]
+            del logprobs[seq_id][kept:]
 
 
 def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> list[int]:

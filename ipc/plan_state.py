@@ -35,7 +35,17 @@ from shared.sampling import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["ScheduledSeq", "WorkerSeq", "WorkerState", "WorkerStateError"]
+__all__ = ["ScheduledSeq", "WorkerSeq", "WorkerState", "WorkerStateError", "accepted_run"]
+
+
+def accepted_run(draws: list[int], proposal: list[int]) -> int:
+    """How many of a speculating sequence's draws are its result: the draws at each
+    position (after the known tokens, after the first proposed one, ...) while they equal
+    the proposal, then the first that does not (or the one after all of it)."""
+    accepted = 0
+    while accepted < len(proposal) and draws[accepted] == proposal[accepted]:
+        accepted += 1
+    return accepted + 1
 
 
 class WorkerStateError(RuntimeError):
@@ -219,7 +229,7 @@ class WorkerState:
                 f"{seq_id!r}: {plan.num_samples[seq_id]} samples asked at {start + num_tokens} "
                 f"of {known} tokens"
             )
-        proposal = plan.proposals.get(seq_id)
+        proposal = plan.proposals.get(seq_id) if plan.proposals else None
         return ScheduledSeq(seq, start, num_tokens, num_samples, len(proposal or ()))
 
     def append_sampled(

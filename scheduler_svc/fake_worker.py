@@ -17,7 +17,13 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 
-from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, WorkerStateError
+from ipc.plan_state import (
+    ScheduledSeq,
+    WorkerSeq,
+    WorkerState,
+    WorkerStateError,
+    accepted_run,
+)
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.request import Sequence
 from shared.outputs import FinishReason
@@ -198,19 +204,17 @@ class FakeWorker:
         return StepResult(step=plan.step, sampled_token_ids=sampled)
 
     def _verified(self, item: ScheduledSeq, proposal: list[int]) -> list[int]:
-        """A speculating sequence's tokens: the model's at each position while they
-        equal the proposal, then the first that does not (or the one after it all)."""
+        """A speculating sequence's tokens: the model's at each position, cut to the
+        accepted run as the model runner cuts them."""
         seq = item.seq
         known_outputs = seq.num_output_tokens - len(proposal)
-        tokens: list[int] = []
-        for position in range(len(proposal) + 1):
-            token = self.model.next_token(
+        draws = [
+            self.model.next_token(
                 seq.request_id, seq.sample_index, known_outputs + position, seq.sampling.min_tokens
             )
-            tokens.append(token)
-            if position == len(proposal) or token != proposal[position]:
-                break
-        return tokens
+            for position in range(len(proposal) + 1)
+        ]
+        return draws[: accepted_run(draws, proposal)]
 
     def _verify(self, seq: WorkerSeq, context_len: int) -> None:
         kv = self.gpu_kv

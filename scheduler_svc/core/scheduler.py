@@ -546,10 +546,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         advanced, new_tokens = output.advanced, output.new_tokens
         finished = SeqStatus.FINISHED
         proposals = done.proposals
-        if self.speculation.k and all(
-            n == 1 or n == 1 + len(proposals.get(seq_id, ()))
-            for seq_id, n in done.num_scheduled.items()
-        ):  # decodes only: the cost a proposal adds to (prefill chunks cost otherwise)
+        if self.speculation.k and not done.chunked:  # a decode step: what proposals add to
             timing = result.timing
             self.speculation.timed(output.plan.total_tokens, timing.forward_s + timing.sample_s)
         for seq in done.sampling:

@@ -118,6 +118,9 @@ class InflightStep:
     """Sequences that fork n>1 samples in it (nothing is planned past such a step)."""
     proposals: dict[str, list[int]] = field(default_factory=dict)
     """Speculating sequences' proposed tokens (nothing is planned past such a step)."""
+    chunked: bool = False
+    """Some sequence computes a chunk of several known tokens in it (a prompt, a
+    recompute): its time is not a decode step's (the speculation policy's fit)."""
     preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
@@ -174,6 +177,8 @@ class InflightStep:
         if proposal:
             self.proposals[seq_id] = proposal
             proposed = len(proposal)
+        elif num_new > 1:
+            self.chunked = True
         if seq.num_computed_tokens - proposed == len(seq.token_ids) + seq.num_placeholders:
             seq.num_placeholders += 1
             self.sampling.append(seq)
