@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ipc.schema import BatchPlan, NewSeq
 from shared.sampling import SamplingParams
@@ -35,7 +35,14 @@ from shared.sampling import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["ScheduledSeq", "WorkerSeq", "WorkerState", "WorkerStateError", "accepted_run"]
+__all__ = [
+    "Drafter",
+    "ScheduledSeq",
+    "WorkerSeq",
+    "WorkerState",
+    "WorkerStateError",
+    "accepted_run",
+]
 
 
 def accepted_run(draws: list[int], proposal: list[int]) -> int:
@@ -46,6 +53,17 @@ def accepted_run(draws: list[int], proposal: list[int]) -> int:
     while accepted < len(proposal) and draws[accepted] == proposal[accepted]:
         accepted += 1
     return accepted + 1
+
+
+class Drafter(Protocol):
+    """Proposes speculative tokens on the worker (a draft model; an EAGLE-style head
+    would be one too): called by :meth:`WorkerState.apply` once the plan's block
+    changes are applied and before the step's forward."""
+
+    def draft(self, seqs: list[tuple[WorkerSeq, int]]) -> dict[str, list[int]]:
+        """For each (sequence, k): exactly ``k`` tokens to follow its known ones, by
+        sequence id. The sequence's table already holds blocks for all of them."""
+        ...
 
 
 class WorkerStateError(RuntimeError):
@@ -135,6 +153,9 @@ class WorkerState:
         self.seqs: dict[str, WorkerSeq] = {}
         self.params: dict[str, tuple[SamplingParams, int]] = {}
         """Request id -> its sampling parameters and how many held sequences use them."""
+        self.proposals: dict[str, list[int]] = {}
+        """The last applied plan's proposals: its own, or those its ``draft_lengths``
+        asked the drafter for."""
 
     def get(self, seq_id: str) -> WorkerSeq:
         seq = self.seqs.get(seq_id)
@@ -142,11 +163,13 @@ class WorkerState:
             raise WorkerStateError(f"plan names unknown sequence {seq_id!r}")
         return seq
 
-    def apply(self, plan: BatchPlan) -> list[ScheduledSeq]:
+    def apply(self, plan: BatchPlan, drafter: Drafter | None = None) -> list[ScheduledSeq]:
         """Apply the plan's state changes; return its batch in plan order.
 
         Each scheduled sequence's ``num_computed_tokens`` already counts the step's
-        tokens when this returns.
+        tokens when this returns. The plan's ``draft_lengths`` are drafted by
+        ``drafter`` (a plan with some and no drafter is an error); :attr:`proposals`
+        holds the step's proposals then.
         """
         if plan.reset:
             self.seqs.clear()
@@ -178,21 +201,46 @@ class WorkerState:
         for seq_id in plan.num_samples:
             if seq_id not in plan.num_scheduled_tokens:
                 raise WorkerStateError(f"plan samples unscheduled sequence {seq_id!r}")
-        for seq_id, proposal in plan.proposals.items():
+        proposals = plan.proposals
+        if plan.draft_lengths:
+            proposals = {**proposals, **self._drafts(plan, drafter)}
+        self.proposals = proposals
+        for seq_id, proposal in proposals.items():
             seq = self.get(seq_id)
-            scheduled = plan.num_scheduled_tokens.get(seq_id, 0)
-            if (
-                not proposal
-                or seq_id in plan.num_samples
-                or scheduled != 1 + len(proposal)
-                or seq.num_computed_tokens + 1 != len(seq.token_ids)
-            ):
-                raise WorkerStateError(
-                    f"{seq_id!r}: a proposal of {len(proposal)} tokens with {scheduled} "
-                    f"scheduled at {seq.num_computed_tokens} of {len(seq.token_ids)}"
-                )
+            self._check_proposal(plan, seq, len(proposal))
             seq.token_ids.extend(proposal)  # computed now, replaced by the result
         return [self._schedule(plan, seq_id, n) for seq_id, n in plan.num_scheduled_tokens.items()]
+
+    def _check_proposal(self, plan: BatchPlan, seq: WorkerSeq, length: int) -> None:
+        """A proposal of ``length`` tokens is scheduled as one decode's chunk."""
+        scheduled = plan.num_scheduled_tokens.get(seq.seq_id, 0)
+        if (
+            not length
+            or seq.seq_id in plan.num_samples
+            or scheduled != 1 + length
+            or seq.num_computed_tokens + 1 != len(seq.token_ids)
+        ):
+            raise WorkerStateError(
+                f"{seq.seq_id!r}: a proposal of {length} tokens with {scheduled} "
+                f"scheduled at {seq.num_computed_tokens} of {len(seq.token_ids)}"
+            )
+
+    def _drafts(self, plan: BatchPlan, drafter: Drafter | None) -> dict[str, list[int]]:
+        """The drafter's tokens for the plan's ``draft_lengths``, checked."""
+        if drafter is None:
+            raise WorkerStateError("plan asks for drafted proposals; this worker has no drafter")
+        asked = []
+        for seq_id, k in plan.draft_lengths.items():
+            seq = self.get(seq_id)
+            if seq_id in plan.proposals:
+                raise WorkerStateError(f"{seq_id!r}: both a proposal and a draft")
+            self._check_proposal(plan, seq, k)
+            asked.append((seq, k))
+        drafted = drafter.draft(asked)
+        for seq, k in asked:
+            if len(drafted.get(seq.seq_id, ())) != k:
+                raise WorkerStateError(f"{seq.seq_id!r}: the drafter did not draft {k} tokens")
+        return drafted
 
     def _hold(self, new: NewSeq) -> SamplingParams:
         """The sampling parameters of ``new``'s request, now used by one more sequence."""
@@ -229,7 +277,7 @@ class WorkerState:
                 f"{seq_id!r}: {plan.num_samples[seq_id]} samples asked at {start + num_tokens} "
                 f"of {known} tokens"
             )
-        proposal = plan.proposals.get(seq_id) if plan.proposals else None
+        proposal = self.proposals.get(seq_id) if self.proposals else None
         return ScheduledSeq(seq, start, num_tokens, num_samples, len(proposal or ()))
 
     def append_sampled(

@@ -204,6 +204,10 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True, tag="plan", tag_field
     holds the sequence's known tokens (the proposals dropped, the result appended),
     all but the last computed, and block table entries for those only: the scheduler
     releases the rest."""
+    draft_lengths: dict[str, int] = {}
+    """Speculative decoding with a draft model: per speculating sequence, how many
+    tokens the workers' draft model proposes after its last known one (scheduled and
+    verified as ``proposals`` are; a sequence is in one of the two at most)."""
     token_masks: dict[str, bytes] = {}
     """Structured output: per constrained sequence that samples, its allowed tokens
     (bit ``t % 32`` of little-endian int32 word ``t // 32``; every sample of a fork
@@ -275,6 +279,10 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     tensor_parallel_size: int = 1
     """The group this rank belongs to; ``kv_bytes_per_block`` is then the whole group's
     (each rank holds 1/N of it, and of every swap-pool block)."""
+    draft_model: str = ""
+    """The draft model's checkpoint when the workers draft speculative proposals
+    (``speculative_model``; its K/V shares each block with the target's, so
+    ``num_gpu_blocks`` counts both), else empty: proposals come from the scheduler."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Mapping
 
 from ipc.plan_state import (
+    Drafter,
     ScheduledSeq,
     WorkerSeq,
     WorkerState,
@@ -114,16 +115,39 @@ class FakeProposer:
         self.proposed = 0
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        model = self.model
         request = seq.request
         k = k if self.length is None else min(k, self.length)
+        return self._tokens(
+            request.request_id, seq.sample_index, seq.seq_id, seq.num_output_tokens,
+            request.params.min_tokens, k,
+        )  # fmt: skip
+
+    def draft(self, seqs: list[tuple[WorkerSeq, int]]) -> dict[str, list[int]]:
+        """The same tokens drafted on the worker (:class:`ipc.plan_state.Drafter`):
+        exactly ``k`` each."""
+        drafts = {}
+        for seq, k in seqs:
+            drafts[seq.seq_id] = self._tokens(
+                seq.request_id, seq.sample_index, seq.seq_id, seq.num_output_tokens,
+                seq.sampling.min_tokens, k,
+            )  # fmt: skip
+        return drafts
+
+    def _tokens(
+        self,
+        request_id: str,
+        sample_index: int,
+        seq_id: str,
+        num_outputs: int,
+        min_tokens: int,
+        k: int,
+    ) -> list[int]:
+        model = self.model
         proposal: list[int] = []
         for offset in range(k):
-            num_output = seq.num_output_tokens + offset
-            token = model.next_token(
-                request.request_id, seq.sample_index, num_output, request.params.min_tokens
-            )
-            draw = _mix(zlib.crc32(f"{seq.seq_id}\0{num_output}".encode())) % 1000
+            num_output = num_outputs + offset
+            token = model.next_token(request_id, sample_index, num_output, min_tokens)
+            draw = _mix(zlib.crc32(f"{seq_id}\0{num_output}".encode())) % 1000
             if draw >= self.acceptance * 1000:
                 token = model.FIRST_TOKEN + (token + 1 - model.FIRST_TOKEN) % (
                     model.vocab_size - model.FIRST_TOKEN
@@ -142,8 +166,12 @@ class FakeWorker:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         verify_kv: bool = True,
+        drafter: Drafter | None = None,
     ) -> None:
+        """``drafter``: drafts the plans' ``draft_lengths`` (speculation drafted on the
+        worker, as a draft model does)."""
         self.model = model
+        self.drafter = drafter
         self.block_size = block_size
         self.verify_kv = verify_kv
         self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
@@ -168,7 +196,8 @@ class FakeWorker:
         return seq.block_ids[index] * bs + position % bs
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        batch = self.state.apply(plan)
+        batch = self.state.apply(plan, self.drafter)
+        proposals = self.state.proposals
         for gpu_block, cpu_block in plan.swap_out:
             self._copy(self.gpu_kv, gpu_block, self.cpu_kv, cpu_block)
         for cpu_block, gpu_block in plan.swap_in:
@@ -186,7 +215,7 @@ class FakeWorker:
                 self._verify(item.seq, item.end)
 
         sampled = {
-            item.seq.seq_id: self._verified(item, plan.proposals[item.seq.seq_id])
+            item.seq.seq_id: self._verified(item, proposals[item.seq.seq_id])
             if item.num_proposed
             else [
                 self.model.next_token(
@@ -200,7 +229,7 @@ class FakeWorker:
             for item in batch
             if item.num_samples
         }
-        self.state.append_sampled(sampled, plan.proposals)
+        self.state.append_sampled(sampled, proposals)
         return StepResult(step=plan.step, sampled_token_ids=sampled)
 
     def _verified(self, item: ScheduledSeq, proposal: list[int]) -> list[int]:

@@ -120,23 +120,30 @@ class Simulation:
         max_steps: int | None = None,
         overlap: bool = False,
         proposal_acceptance: float | None = None,
+        drafted: bool = False,
     ) -> None:
         """``proposal_acceptance``: with ``num_speculative_tokens``, decodes propose
         through :class:`~scheduler_svc.fake_worker.FakeProposer`, whose tokens are the
-        fake model's with this probability (None: prompt lookup, as served)."""
+        fake model's with this probability (None: prompt lookup, as served).
+        ``drafted``: the fake worker drafts those tokens, as a draft model does (plans
+        carry ``draft_lengths``), instead of the scheduler proposing them."""
+        if drafted and proposal_acceptance is None:
+            raise ValueError("drafted proposals need a proposal_acceptance")
         if config.num_gpu_blocks is None:
             raise ValueError("simulation needs num_gpu_blocks")
         self.trace = sorted(trace, key=lambda r: r.arrival_step)
         config = msgspec.structs.replace(config, overlap_scheduling=overlap)
         self.config = config
         self.model = FakeModel(eos_at={r.id: r.eos_at for r in trace if r.eos_at is not None})
+        proposer = (
+            None if proposal_acceptance is None else FakeProposer(self.model, proposal_acceptance)
+        )
         self.scheduler = Scheduler(
             config,
             eos_token_ids=[self.model.eos_token_id],
             kv_bytes_per_block=kv_bytes_per_block,
-            proposer=None
-            if proposal_acceptance is None
-            else FakeProposer(self.model, proposal_acceptance),
+            proposer=proposer,
+            drafting=drafted,
         )
         self.worker = FakeWorker(
             self.model,
@@ -144,6 +151,7 @@ class Simulation:
             num_gpu_blocks=config.num_gpu_blocks,
             num_cpu_blocks=config.num_cpu_blocks,
             verify_kv=verify_kv,
+            drafter=proposer if drafted else None,
         )
         self.check = check_invariants
         self.engine = StepEngine(

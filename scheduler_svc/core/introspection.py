@@ -23,7 +23,7 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
         seq_id: len(proposal)
         for step in scheduler.inflight
         for seq_id, proposal in step.proposals.items()
-    }
+    } | {seq_id: drafted for step in scheduler.inflight for seq_id, drafted in step.drafts.items()}
     groups = (
         ("running", scheduler.running, SeqStatus.RUNNING),
         ("waiting", list(scheduler.waiting), SeqStatus.WAITING),

@@ -82,6 +82,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         kv_bytes_per_block: int,
         vocab_size: int | None = None,
         proposer: Proposer | None = None,
+        drafting: bool = False,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
@@ -94,6 +95,9 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             config.prompt_lookup_min, config.prompt_lookup_max
         )
         """Speculative decoding's proposals (prompt lookup unless given)."""
+        self.drafting = drafting
+        """The workers' draft model proposes instead (their hello names one): plans
+        carry how many tokens each speculating decode drafts."""
         self.speculation = SpeculationPolicy(
             config.num_speculative_tokens, backoff=config.speculative_backoff
         )
@@ -545,7 +549,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                     output.prompt_logprobs.append((seq.request.request_id, chunk))
         advanced, new_tokens = output.advanced, output.new_tokens
         finished = SeqStatus.FINISHED
-        proposals = done.proposals
+        proposals, drafts = done.proposals, done.drafts
         if self.speculation.k and not done.chunked:  # a decode step: what proposals add to
             timing = result.timing
             self.speculation.timed(output.plan.total_tokens, timing.forward_s + timing.sample_s)
@@ -562,6 +566,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 and seq.constraint is None
                 and not seq.pending_forks
                 and not proposals
+                and not drafts
             ):
                 # One token, nothing to fork, no logprobs: _append_token inlined (a call
                 # per token is 6% of the core's time per generated token); keep them alike.
@@ -581,6 +586,9 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             entries = logprobs.get(seq_id)
             if proposals and (proposal := proposals.get(seq_id)) is not None:
                 self._accept(seq, proposal, tokens, entries, output)
+                continue
+            if drafts and (drafted := drafts.get(seq_id)) is not None:
+                self._accept(seq, drafted, tokens, entries, output)
                 continue
             if not tokens or len(tokens) != 1 + seq.pending_forks:
                 raise WorkerProtocolError(

@@ -8,8 +8,11 @@ The output is therefore exactly what decoding without proposals gives, token for
 and, for a seeded request, draw for draw; a proposal only decides how many of those
 tokens one step yields.
 
-Proposals come from a :class:`Proposer`; :class:`PromptLookup` (n-gram matching over
-the sequence's own tokens) is the one built in. How many tokens to propose is
+Proposals come from a :class:`Proposer` in this process; :class:`PromptLookup` (n-gram
+matching over the sequence's own tokens) is the one built in. Or the workers draft them
+(``Scheduler.drafting``: they run a draft model, ``speculative_model``): the plan then
+carries only how many tokens each decode drafts (``BatchPlan.draft_lengths``), and the
+result is checked against that length alone. How many tokens to propose is
 :class:`SpeculationPolicy`'s call each step, from what it measured: how often a proposed
 token at each position is accepted when those before it were, and a fit of the workers'
 step time (forward and sampling) against the tokens a step computes, ``a + b * tokens``.
@@ -211,6 +214,7 @@ class SpeculativeSteps:
 
     kv: KVCacheManager
     proposer: Proposer
+    drafting: bool
     speculation: SpeculationPolicy
     watermark_blocks: int
     _append_token: Callable[[Sequence, int, StepOutput, dict[int, float] | None], None]
@@ -227,37 +231,39 @@ class SpeculativeSteps:
         )
         if k <= 0:
             return False
-        proposal = self.proposer.propose(seq, k)
-        if not proposal:
+        proposal = None if self.drafting else self.proposer.propose(seq, k)
+        if proposal is not None and not proposal:
             return False
-        num_new = 1 + len(proposal)
+        num_new = 1 + (k if proposal is None else len(proposal))
         if not self.kv.can_append(seq, num_new, self.watermark_blocks + later):
             return False
         appended, cow = self.kv.append(seq, num_new)
-        step.add(seq, num_new, appended, cow, proposal)
+        step.add(seq, num_new, appended, cow, proposal, 0 if proposal else k)
         return True
 
     def _accept(
         self,
         seq: Sequence,
-        proposal: list[int],
+        proposal: list[int] | int,
         tokens: list[int] | None,
         entries: list[dict[int, float]] | None,
         output: StepOutput,
     ) -> None:
         """Apply a speculating sequence's result: its accepted proposals and the token
         after them, up to the first that ends it; then only what they computed stays
-        computed, and blocks past it go back to the pool."""
+        computed, and blocks past it go back to the pool. ``proposal``: the tokens
+        proposed, or how many the workers drafted (their tokens unknown here)."""
+        num_draft = proposal if isinstance(proposal, int) else len(proposal)
         if (
             not tokens
-            or len(tokens) > len(proposal) + 1
-            or tokens[:-1] != proposal[: len(tokens) - 1]
+            or len(tokens) > num_draft + 1
+            or (not isinstance(proposal, int) and tokens[:-1] != proposal[: len(tokens) - 1])
             or (entries is not None and len(entries) != len(tokens))
         ):
             raise WorkerProtocolError(
                 f"{seq.seq_id}: tokens {tokens} do not answer the proposal {proposal}"
             )
-        self.speculation.verified(len(proposal), len(tokens) - 1)
+        self.speculation.verified(num_draft, len(tokens) - 1)
         for position, token in enumerate(tokens):
             self._append_token(seq, token, output, entries[position] if entries else None)
             if seq.status is SeqStatus.FINISHED:

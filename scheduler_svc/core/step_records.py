@@ -118,6 +118,9 @@ class InflightStep:
     """Sequences that fork n>1 samples in it (nothing is planned past such a step)."""
     proposals: dict[str, list[int]] = field(default_factory=dict)
     """Speculating sequences' proposed tokens (nothing is planned past such a step)."""
+    drafts: dict[str, int] = field(default_factory=dict)
+    """Speculating sequences whose tokens the workers' draft model proposes: how many
+    (the plan's ``draft_lengths``; nothing is planned past such a step either)."""
     chunked: bool = False
     """Some sequence computes a chunk of several known tokens in it (a prompt, a
     recompute): its time is not a decode step's (the speculation policy's fit)."""
@@ -138,6 +141,7 @@ class InflightStep:
         appended: list[int],
         cow: CopyOnWrite | None,
         proposal: list[int] | None = None,
+        drafted: int = 0,
     ) -> None:
         """Schedule ``num_new`` tokens of ``seq``, whose block table just grew by
         ``appended`` and, on a copy-on-write, had entry ``cow[0]`` copied from block
@@ -145,7 +149,8 @@ class InflightStep:
         block-table changes for one they do. The tokens count as computed from here on;
         one that reaches the end samples, and holds a placeholder until its result.
         ``proposal``: the last ``len(proposal)`` of the ``num_new`` tokens are proposed
-        ones (speculative decoding), known to the plan only."""
+        ones (speculative decoding), known to the plan only; ``drafted``: the last
+        ``drafted`` are the workers' draft model's, unknown until the result."""
         seq_id = seq.seq_id
         if cow is not None:
             self.copies.append((cow[1], cow[2]))
@@ -173,10 +178,12 @@ class InflightStep:
             )
         self.num_scheduled[seq_id] = num_new
         seq.num_computed_tokens += num_new
-        proposed = 0
+        proposed = drafted
         if proposal:
             self.proposals[seq_id] = proposal
             proposed = len(proposal)
+        elif drafted:
+            self.drafts[seq_id] = drafted
         elif num_new > 1:
             self.chunked = True
         if seq.num_computed_tokens - proposed == len(seq.token_ids) + seq.num_placeholders:
@@ -200,6 +207,7 @@ class InflightStep:
             copies=self.copies,
             num_samples=self.num_samples,
             proposals=self.proposals,
+            draft_lengths=self.drafts,
             token_masks={
                 seq.seq_id: seq.constraint.mask()
                 for seq in self.sampling

@@ -58,7 +58,9 @@ TRACE = generate_trace(
 )
 
 
-def simulate(config: SchedulerConfig, *, overlap: bool, acceptance: float | None):
+def simulate(
+    config: SchedulerConfig, *, overlap: bool, acceptance: float | None, drafted: bool = False
+):
     sim = Simulation(
         TRACE,
         config,
@@ -66,6 +68,7 @@ def simulate(config: SchedulerConfig, *, overlap: bool, acceptance: float | None
         check_invariants=True,
         overlap=overlap,
         proposal_acceptance=acceptance,
+        drafted=drafted,
     )
     result = sim.run()
     for req in TRACE:  # every sample's output is the fake model's (aborted: a prefix)
@@ -86,16 +89,19 @@ def simulate(config: SchedulerConfig, *, overlap: bool, acceptance: float | None
     ("overlap", "mode"), [(False, "swap"), (True, "recompute")], ids=["step-exact", "overlap"]
 )
 @pytest.mark.parametrize("acceptance", [0.0, 0.8, 1.0])
+@pytest.mark.parametrize("drafted", [False, True], ids=["proposed", "drafted"])
 def test_a_trace_with_proposals_keeps_every_invariant_and_every_output(
-    acceptance: float, overlap: bool, mode: str
+    acceptance: float, overlap: bool, mode: str, drafted: bool
 ) -> None:
     """Chunked prefill, prefix hits, preemption (a small pool), n=3, aborts and EOS;
-    every invariant after every plan and update, every K/V slot read checked."""
+    every invariant after every plan and update, every K/V slot read checked; the
+    proposals made by the scheduler, or drafted by the worker (a draft model's way)."""
     plain = simulate(trace_config(preemption_mode=mode), overlap=overlap, acceptance=None)
     spec = simulate(
         trace_config(preemption_mode=mode, num_speculative_tokens=4),
         overlap=overlap,
         acceptance=acceptance,
+        drafted=drafted,
     )
     aborted = {req.id for req in TRACE if req.abort_step is not None}
     assert {rid: out for rid, out in spec.outputs.items() if rid not in aborted} == {
@@ -128,6 +134,52 @@ def test_a_proposal_is_scheduled_after_the_last_token_with_its_lookahead() -> No
     assert [token for _, _, _, token in outcome.tokens] == seq.output_token_ids[1:]
     assert seq.num_output_tokens == 1 + 5  # four accepted and the one after them
     assert seq.num_computed_tokens == seq.num_tokens - 1
+
+
+def drafting(acceptance: float, **config: object) -> Harness:
+    """The fake worker drafts (as a draft model does): the plans carry lengths only."""
+    h = Harness(num_speculative_tokens=4, **config)
+    h.sched.drafting = True
+    h.worker.drafter = FakeProposer(h.model, acceptance)
+    return h
+
+
+def test_a_drafted_proposal_is_planned_by_length_and_verified_on_the_worker() -> None:
+    h = drafting(1.0)
+    request = h.add("r", 6, max_tokens=20)
+    seq = request.seqs[0]
+    h.step()
+    plan = h.sched.schedule()
+    assert plan is not None
+    assert plan.proposals == {} and plan.draft_lengths == {"r": 4}
+    assert plan.num_scheduled_tokens == {"r": 5}
+    assert len(seq.block_table) == -(-11 // BS)  # the lookahead, as for a proposal
+    h.sched.update(h.worker.execute(plan))
+    assert seq.num_output_tokens == 1 + 5
+    assert h.sched.speculation.num_accepted_tokens == 4
+    assert check_invariants(h.sched) == []
+    h.run()
+    assert seq.output_token_ids == h.reference(request)[0]
+    assert h.sched.kv.pool.num_free == h.cfg.num_gpu_blocks
+
+
+def test_drafted_rejections_give_blocks_back_and_a_long_answer_is_an_error() -> None:
+    h = drafting(0.0)
+    request = h.add("r", 7, max_tokens=20)
+    seq = request.seqs[0]
+    h.step()
+    free = h.sched.kv.pool.num_free
+    plan = h.sched.schedule()
+    assert plan is not None and plan.draft_lengths == {"r": 4}
+    h.sched.update(h.worker.execute(plan))
+    assert seq.num_output_tokens == 2 and len(seq.block_table) == 2
+    assert h.sched.kv.pool.num_free == free
+    assert h.worker.seqs["r"].block_ids == seq.block_table
+    plan = h.sched.schedule()
+    assert plan is not None and plan.draft_lengths == {"r": 4}
+    with pytest.raises(WorkerProtocolError, match="do not answer the proposal 4"):
+        h.sched.update(StepResult(step=plan.step, sampled_token_ids={"r": [5] * 6}))
+    assert request.seqs[0].output_token_ids[:2] == h.reference(request)[0][:2]
 
 
 def test_rejected_proposals_give_their_blocks_back() -> None:

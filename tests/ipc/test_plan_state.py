@@ -226,3 +226,58 @@ def test_the_survivor_finishes_every_request_exactly() -> None:
     for seq in request.seqs:
         want, reason = model.reference_output("r", seq.sample_index, 10, params, 64)
         assert (seq.output_token_ids, seq.finish_reason) == (want, reason)
+
+
+def drafting_state() -> tuple[WorkerState, BatchPlan]:
+    """A worker holding one decoding sequence, and a plan that drafts 2 tokens for it."""
+    state = holding(new_seq("a", 3))
+    state.apply(plan(scheduled={"a": 3}))
+    state.append_sampled({"a": [4]})
+    drafts = plan(
+        1,
+        {"a": 3},
+        block_updates=[BlockUpdate(seq_id="a", appended=[1])],
+        draft_lengths={"a": 2},
+    )
+    return state, drafts
+
+
+class Fixed:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.asked: list[tuple[list[int], list[int], int]] = []
+
+    def draft(self, seqs):
+        self.asked = [(list(s.token_ids), list(s.block_ids), k) for s, k in seqs]
+        return {s.seq_id: self.tokens for s, _ in seqs}
+
+
+def test_drafted_proposals_are_asked_after_the_block_updates_and_then_verified() -> None:
+    state, plan = drafting_state()
+    drafter = Fixed([5, 9])
+    batch = state.apply(plan, drafter)
+    assert drafter.asked == [([10, 11, 12, 4], [0, 1], 2)]  # the lookahead block is there
+    assert state.proposals == {"a": [5, 9]}
+    assert [(b.start, b.num_tokens, b.num_proposed) for b in batch] == [(3, 3, 2)]
+    state.append_sampled({"a": [5, 6]}, state.proposals)  # 5 accepted, then 6
+    held = state.seqs["a"]
+    assert held.token_ids == [10, 11, 12, 4, 5, 6]
+    assert held.num_computed_tokens == 5 and held.block_ids == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("drafter", "match"),
+    [(None, "no drafter"), (Fixed([5]), "did not draft 2 tokens")],
+    ids=["no-drafter", "short-draft"],
+)
+def test_a_draft_the_worker_cannot_make_is_a_protocol_error(drafter, match: str) -> None:
+    state, plan = drafting_state()
+    with pytest.raises(WorkerStateError, match=match):
+        state.apply(plan, drafter)
+
+
+def test_a_sequence_cannot_both_propose_and_draft() -> None:
+    state, plan = drafting_state()
+    both = msgspec.structs.replace(plan, proposals={"a": [5, 9]})
+    with pytest.raises(WorkerStateError, match="both a proposal and a draft"):
+        state.apply(both, Fixed([5, 9]))
