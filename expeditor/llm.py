@@ -43,7 +43,13 @@ from shared.worker_settings import WorkerSettings
 
 Prompt = str | list[int]
 
-ENGINE_SERVER_FIELDS = ("dtype", "gpu_memory_utilization", "cuda_graphs", "model_impl")
+ENGINE_SERVER_FIELDS = (
+    "dtype",
+    "gpu_memory_utilization",
+    "cuda_graphs",
+    "model_impl",
+    "speculative_model",
+)
 """The ``[server]`` fields ``LLM`` takes as keywords (the others are about daemons,
 sockets and tensor-parallel groups, which an in-process engine has none of)."""
 

@@ -19,16 +19,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.utils import logging as hf_logging
+from transformers import PretrainedConfig
 
 from gpu_worker import attention
-from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.decoder import load_decoder
+from gpu_worker.draft_model import DraftModel, check_same_vocabulary
 from gpu_worker.dtype import resolve_dtype
 from gpu_worker.event_clock import EventClock
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
-from gpu_worker.lean_model import LeanDecoder, why_not_lean
+from gpu_worker.lean_model import LeanDecoder
 from gpu_worker.logits_shaping import History, bad_word_bans
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_source import resolve_model
@@ -37,7 +37,7 @@ from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs
-from gpu_worker.tensor_parallel import check_tp_supported, local_kv_heads, shard_model
+from gpu_worker.tensor_parallel import local_kv_heads
 from gpu_worker.token_bitmask import apply_bitmask, pack_rows
 from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, accepted_run
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
@@ -111,12 +111,6 @@ class ModelRunner:
         block_size = limits.block_size
         self.device = device
         self.block_size = block_size
-        config = AutoConfig.from_pretrained(model_dir)
-        check_supported(config)
-        world = dist.get_world_size(group) if group is not None else 1
-        if world > 1:
-            check_tp_supported(config, world)
-        self.config = config
         if dtype is None:
             dtype, why = resolve_dtype(settings.server.dtype, device)
         else:
@@ -124,30 +118,21 @@ class ModelRunner:
         self.dtype = dtype
         self.dtype_note = f"{str(dtype).removeprefix('torch.')} ({why})"
         """The dtype the weights and KV cache take, and why (the worker logs it)."""
-        impl = attention.register()
-        hf_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=impl
-        ).to(device)
-        self.model.eval()
-        if world > 1:
-            shard_model(self.model, config, dist.get_rank(group), world, group)
+        decoder = load_decoder(
+            model_dir, device=device, dtype=dtype, model_impl=model_impl, group=group
+        )
+        self.decoder = decoder
+        config = self.config = decoder.config
+        world = dist.get_world_size(group) if group is not None else 1
+        self.model = decoder.model
         self.group = group
-        self.lean: LeanDecoder | None = None
+        self.lean: LeanDecoder | None = decoder.lean
         """The lean forward, when this worker runs one (else transformers' forward)."""
-        self.model_impl_note = "transformers (model_impl=transformers)"
+        self.model_impl_note = decoder.impl_note
         """Which forward runs, and why (the worker logs it)."""
-        if model_impl == "auto":  # by model type, on every device and TP degree
-            reason = why_not_lean(self.model, config)
-            if reason is None:
-                self.lean = LeanDecoder(self.model, config, group)
-                sharded = f", sharded over {world} ranks" if world > 1 else ""
-                self.model_impl_note = f"lean (model type {config.model_type!r}{sharded})"
-            else:
-                self.model_impl_note = f"transformers ({reason})"
         self.flops = StepFlops(self.model, config, world)
         """A step's forward FLOPs (reported with its time)."""
-        self.logits = logits_fn(self.model, config)
+        self.logits = decoder.logits
         """hidden rows -> logits, as the checkpoint's own head computes them."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
@@ -173,9 +158,27 @@ class ModelRunner:
         )
         self.attention_backend, _ = attention.choose_backend(device, self.layout, self.num_heads)
         """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
+        self.draft: DraftModel | None = None
+        """Speculative decoding's draft model (``speculative_model``), if any."""
+        if settings.server.speculative_model:
+            if world > 1:
+                raise ValueError(
+                    "speculative_model: a draft model runs on unsharded workers only "
+                    f"(tensor_parallel_size is {world}); prompt lookup (speculative_model "
+                    "empty) works at any tensor_parallel_size"
+                )
+            draft_dir = resolve_model(settings.server.speculative_model)
+            check_same_vocabulary(model_dir, draft_dir)
+            self.draft = DraftModel(
+                draft_dir, device=device, dtype=dtype, block_size=block_size,
+                target_vocab_size=self.vocab_size, model_impl=model_impl,
+            )  # fmt: skip
         num_gpu_blocks = limits.num_gpu_blocks
         if num_gpu_blocks is None and device.type != "cuda":
-            num_gpu_blocks = DEFAULT_CPU_BLOCKS * 4 // self.dtype.itemsize
+            num_gpu_blocks = (
+                DEFAULT_CPU_BLOCKS * 4 // self.dtype.itemsize
+                * self.layout.bytes_per_block // self.block_bytes
+            )  # fmt: skip
         elif num_gpu_blocks is None:
             num_gpu_blocks = self._profile_num_blocks(
                 limits.max_num_batched_tokens,
@@ -183,6 +186,8 @@ class ModelRunner:
                 settings.server.gpu_memory_utilization,
             )
         self.kv_cache = KVCache(self.layout, num_gpu_blocks, device, swap_pool, self.staging)
+        if self.draft is not None:
+            self.draft.allocate(num_gpu_blocks)
         # Every attention configuration the model uses compiled now, not at the first
         # step that needs it (nothing off the Triton backend).
         cap = getattr(config, "attn_logit_softcapping", None)
@@ -208,11 +213,18 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         """Token ids the embedding has rows for."""
-        return int(self.model.get_input_embeddings().num_embeddings)
+        return self.decoder.vocab_size
 
     @property
     def num_gpu_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Device memory one KV block takes on this rank: the model's K/V, and the draft
+        model's beside it."""
+        draft = self.draft.bytes_per_block if self.draft is not None else 0
+        return self.layout.bytes_per_block + draft
 
     def hello(self, rank: int = 0) -> WorkerHello:
         """What this runner tells the scheduler about itself: the worker daemon sends it,
@@ -229,6 +241,7 @@ class ModelRunner:
             model=os.path.abspath(self.model_dir),
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
+            draft_model=os.path.abspath(self.draft.model_dir) if self.draft is not None else "",
         )
 
     def _profile_num_blocks(self, max_tokens: int, max_num_seqs: int, utilization: float) -> int:
@@ -275,7 +288,7 @@ class ModelRunner:
             torch_peak=peak,
         )
         reserved = swap_staging_blocks(self.layout) * self.layout.bytes_per_block
-        blocks = kv_cache_blocks(profile, utilization, reserved, self.layout.bytes_per_block)
+        blocks = kv_cache_blocks(profile, utilization, reserved, self.block_bytes)
         if self.group is not None:  # every rank of a group holds the same block count
             smallest = torch.tensor([blocks], device=self.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.group)
@@ -314,15 +327,7 @@ class ModelRunner:
             backend=self.attention_backend,
             plan=plan,
         )
-        if self.lean is not None:
-            return self.lean(tensors["input_ids"], tensors["positions"], meta)
-        out = self.model.model(
-            input_ids=tensors["input_ids"][None],
-            position_ids=tensors["positions"][None],
-            use_cache=False,
-            expeditor_meta=meta,
-        )
-        return out.last_hidden_state[0]
+        return self.decoder.run(tensors["input_ids"], tensors["positions"], meta)
 
     @torch.inference_mode()
     def forward_only(self, inputs: StepInputs) -> torch.Tensor:
@@ -337,7 +342,10 @@ class ModelRunner:
         # preparation.
         clock = self.clock
         clock.start()
-        batch = self.state.apply(plan)
+        draft = self.draft
+        drafting = draft.seconds if draft is not None else 0.0
+        batch = self.state.apply(plan, draft)
+        proposals = self.state.proposals
         clock.mark("applied")
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
@@ -357,8 +365,8 @@ class ModelRunner:
         clock.mark("forwarded")
         reads = self.staging.host_syncs
         sampled, logprobs = self._sample(batch, inputs, hidden, plan.token_masks)
-        if plan.proposals:
-            accepted_runs(sampled, logprobs, plan.proposals)
+        if proposals:
+            accepted_runs(sampled, logprobs, proposals)
         prompt_lp = prompt_logprobs(
             batch, inputs.query_start_loc, hidden, self.logits, self.staging,
             self.prompt_logprob_rows,
@@ -366,7 +374,7 @@ class ModelRunner:
         read = self.staging.host_syncs > reads  # the device is done with the step
         if not read:
             clock.mark("read")
-        self.state.append_sampled(sampled, plan.proposals)
+        self.state.append_sampled(sampled, proposals)
         clock.mark("done")
         return StepResult(
             step=plan.step,
@@ -378,6 +386,7 @@ class ModelRunner:
                 forward_s=clock.between("prepared", "forwarded", read),
                 sample_s=clock.between("forwarded", "read", read),
                 total_s=clock.between("start", "done", False),
+                draft_s=draft.seconds - drafting if draft is not None else 0.0,
                 forward_flop=self.flops.step(inputs.starts, inputs.query_start_loc),
             ),
         )

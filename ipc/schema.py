@@ -223,6 +223,8 @@ class StepTiming(msgspec.Struct, frozen=True, kw_only=True):
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+    draft_s: float = 0.0
+    """Of the step's preparation, the draft model's time (speculative decoding)."""
     forward_flop: float = 0.0
     """The forward's arithmetic, from the model's shapes (gpu_worker/step_flops.py)."""
 

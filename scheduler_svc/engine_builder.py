@@ -9,7 +9,8 @@ the same: ``num_gpu_blocks`` is the worker's cache, ``max_model_len`` is capped 
 checkpoint's own limit (:func:`shared.checkpoint.capped_max_len`), and a swap pool of
 ``num_cpu_blocks`` blocks of the worker's KV block size is created when that is not 0.
 Mapping the pool in the workers is the caller's (the daemon sends AttachSwapPool, ``LLM``
-attaches it to its runner's cache), as is closing it.
+attaches it to its runner's cache), as is closing it. Workers that load a draft model
+(their hello names it) draft the speculative proposals: the core plans draft lengths.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from scheduler_svc.step_engine import Executor, StepEngine
 from scheduler_svc.step_times import StepTimer
 from shared.checkpoint import capped_max_len
 from shared.config import SchedulerConfig
+from shared.errors import ConfigError
 from shared.swap_pool import SwapPoolSegment
 
 __all__ = ["BuiltEngine", "build_engine", "sized_config"]
@@ -58,6 +60,13 @@ def build_engine(
     """Scheduler, swap pool and step engine for workers like the one that sent ``hello``
     (the first to register), their plans run by ``executor``, each step's parts added to
     ``times``."""
+    if hello.draft_model and not config.num_speculative_tokens:
+        raise ConfigError(
+            f"speculative_model: the workers load a draft model ({hello.draft_model}) but "
+            "num_speculative_tokens is 0: set how many tokens it drafts (1-16), or unset "
+            "speculative_model",
+            field="num_speculative_tokens",
+        )
     sized = sized_config(config, hello)
     swap_pool = (
         SwapPoolSegment.create(sized.num_cpu_blocks, hello.kv_bytes_per_block)
@@ -69,5 +78,6 @@ def build_engine(
         eos_token_ids=hello.eos_token_ids,
         kv_bytes_per_block=hello.kv_bytes_per_block,
         vocab_size=hello.vocab_size or None,
+        drafting=bool(hello.draft_model),
     )
     return BuiltEngine(sized, core, StepEngine(core, executor, times=times), swap_pool)

@@ -152,7 +152,8 @@ class SchedulerConfig(StepLimits, frozen=True):
             ge=0,
             le=16,
             description="Tokens proposed per sequence and step by prompt lookup (n-gram), "
-            "verified in one forward; 0 = no speculative decoding.",
+            "or by the draft model when speculative_model is set, verified in one "
+            "forward; 0 = no speculative decoding.",
         ),
     ] = 0
     speculative_backoff: Annotated[

@@ -53,6 +53,15 @@ class ModelConfig(Settings, frozen=True):
             "name (smollm2-135m-instruct), or empty = the embedded tiny model."
         ),
     ] = ""
+    speculative_model: Annotated[
+        str,
+        Meta(
+            description="Draft model of speculative decoding (a checkpoint as for model, "
+            "with the same tokenizer): the workers draft each speculating decode's "
+            "num_speculative_tokens with it, its K/V beside the model's in every block. "
+            "Empty = prompt lookup proposes. Not with tensor_parallel_size > 1.",
+        ),
+    ] = ""
     dtype: Annotated[
         ModelDtype,
         Meta(

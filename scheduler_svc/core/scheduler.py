@@ -552,7 +552,9 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         proposals, drafts = done.proposals, done.drafts
         if self.speculation.k and not done.chunked:  # a decode step: what proposals add to
             timing = result.timing
-            self.speculation.timed(output.plan.total_tokens, timing.forward_s + timing.sample_s)
+            self.speculation.timed(
+                output.plan.total_tokens, timing.forward_s + timing.sample_s + timing.draft_s
+            )
         for seq in done.sampling:
             seq.num_placeholders -= 1
             if seq.status is finished:

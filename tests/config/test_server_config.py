@@ -153,6 +153,7 @@ def test_file_errors(tmp_path: Path) -> None:
 
 BAD_VALUES: list[tuple[str, object]] = [
     ("model", 3),
+    ("speculative_model", 3),
     ("frontend", "http://x"),
     ("worker_endpoint", "w.sock"),
     ("workers", 0),
@@ -256,6 +257,7 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
         gpu_memory_utilization=0.5,
         cuda_graphs=False,
         model_impl="transformers",
+        speculative_model="draft",
         dtype="bfloat16",
         client_timeout_s=1.5,
         worker_timeout_s=2.0,

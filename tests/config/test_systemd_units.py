@@ -217,6 +217,7 @@ def test_example_config_parses() -> None:
     assert set(document) == {"server", "scheduler", "gateway"}
     assert document["server"] == {
         "model": "",
+        "speculative_model": "",
         "dtype": "auto",
         "frontend": "ipc:///run/expeditor/frontend.sock",
         "worker_endpoint": "ipc:///run/expeditor/workers.sock",

@@ -1,4 +1,5 @@
-"""Speculative decoding on the model runner: prompt lookup changes no output.
+"""Speculative decoding on the model runner: prompt lookup and a draft model change no
+output.
 
 Greedy: the tokens with proposals equal those without, on every tiny architecture,
 under chunked prefill, prefix hits, swap, recompute, n=3 and overlapped scheduling
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_reference import PROMPTS
+from transformers import AutoModelForCausalLM
 
 from expeditor.llm import LLM
 from gpu_worker.tiny_model import ARCHS
@@ -53,7 +55,8 @@ SCENARIOS: dict[str, dict[str, object]] = {
 
 
 class Counting:
-    """Counts the proposals the runner verified and the tokens it accepted."""
+    """Counts the proposals the runner verified (made by the scheduler or drafted by
+    the worker) and the tokens it accepted."""
 
     def __init__(self, llm: LLM) -> None:
         self.proposed = self.accepted = 0
@@ -61,8 +64,9 @@ class Counting:
 
         def execute(plan: BatchPlan) -> StepResult:
             result = inner(plan)
-            for seq_id, proposal in plan.proposals.items():
-                self.proposed += len(proposal)
+            lengths = {seq_id: len(p) for seq_id, p in plan.proposals.items()}
+            for seq_id, length in (lengths | plan.draft_lengths).items():
+                self.proposed += length
                 self.accepted += len(result.sampled_token_ids[seq_id]) - 1
             return result
 
@@ -89,38 +93,117 @@ def tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[list[in
     return [[s.token_ids for s in c.samples] for c in llm.generate(prompts, params)]
 
 
+OTHER_DRAFT = {"llama": "qwen3"}
+"""The different tiny checkpoint that drafts for each architecture (same vocabulary,
+other weights): llama's for every other one."""
+
+
+def proposers(tiny_checkpoint: Callable[[str], Path], arch: str) -> dict[str, dict[str, object]]:
+    """Speculation settings by name: prompt lookup, the model drafting for itself (its
+    drafts are its own greedy tokens) and another checkpoint drafting (they are
+    mostly rejected; back-off off, so that it keeps drafting)."""
+    other = tiny_checkpoint(OTHER_DRAFT.get(arch, "llama"))
+    return {
+        "lookup": {},
+        "draft-self": {"speculative_model": str(tiny_checkpoint(arch))},
+        "draft-other": {"speculative_model": str(other), "speculative_backoff": False},
+    }
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_with_proposals_equals_greedy_without(engine, arch: str) -> None:
+def test_greedy_with_proposals_equals_greedy_without(
+    engine, tiny_checkpoint: Callable[[str], Path], arch: str
+) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     prompts = PROMPTS + REPEATING
     expected = tokens(engine(arch), prompts, greedy)
-    llm = engine(arch, num_speculative_tokens=4)
-    counts = Counting(llm)
-    assert tokens(llm, prompts, greedy) == expected
-    assert counts.accepted > 0 and counts.proposed > counts.accepted
-    assert check_invariants(llm.scheduler) == []
-    assert llm.scheduler.kv.pool.num_free == llm.scheduler.kv.pool.num_blocks
+    for name, settings in proposers(tiny_checkpoint, arch).items():
+        llm = engine(arch, num_speculative_tokens=4, **settings)
+        counts = Counting(llm)
+        assert tokens(llm, prompts, greedy) == expected, name
+        if name == "draft-self":  # its own greedy tokens: (nearly) all accepted
+            assert counts.accepted > 0.9 * counts.proposed, name
+        else:
+            assert counts.proposed > counts.accepted, name
+        if name == "lookup":
+            assert counts.accepted > 0
+        assert check_invariants(llm.scheduler) == [], name
+        assert llm.scheduler.kv.pool.num_free == llm.scheduler.kv.pool.num_blocks, name
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_with_proposals_holds_under_every_scheduling_case(engine, scenario: str) -> None:
+def test_greedy_with_proposals_holds_under_every_scheduling_case(
+    engine, tiny_checkpoint: Callable[[str], Path], scenario: str
+) -> None:
     config = SCENARIOS[scenario]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, n=3)
     prompts = REPEATING + PROMPTS + REPEATING  # the repeats: prefix hits
     expected = tokens(engine("qwen3", **config), prompts, greedy)
-    llm = engine("qwen3", num_speculative_tokens=4, **config)
-    counts = Counting(llm)
-    assert tokens(llm, prompts, greedy) == expected
-    assert counts.accepted > 0
+    for name, settings in proposers(tiny_checkpoint, "qwen3").items():
+        llm = engine("qwen3", num_speculative_tokens=4, **settings, **config)
+        counts = Counting(llm)
+        assert tokens(llm, prompts, greedy) == expected, name
+        if name == "draft-self":  # the draft's K/V kept right through every case
+            assert counts.accepted > 0.9 * counts.proposed, name
+        if name != "draft-other":
+            assert counts.accepted > 0, name
+        assert counts.proposed > 0, name
+        sched = llm.scheduler
+        if scenario in ("swap", "recompute"):
+            assert sched.preemptions[scenario] > 0, name
+        if scenario == "prefix":
+            assert sched.kv.hit_tokens > 0, name
+        assert check_invariants(sched) == [], name
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_the_draft_proposes_its_own_greedy_continuation_of_every_context(
+    engine, tiny_checkpoint: Callable[[str], Path], scenario: str
+) -> None:
+    """The draft's K/V stays right as its proposals are mostly rejected, blocks are
+    copied on write, swapped, recomputed and shared: each proposal equals the draft
+    checkpoint's greedy tokens after the sequence's whole context, run from scratch."""
+    draft_dir = tiny_checkpoint("llama")
+    reference = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    llm = engine(
+        "qwen3",
+        num_speculative_tokens=3,
+        speculative_model=str(draft_dir),
+        speculative_backoff=False,
+        **SCENARIOS[scenario],
+    )
+    drafter = llm.runner.draft
+    assert drafter is not None
+    inner = drafter.draft
+    checked = mismatched = 0
+
+    def draft(seqs):
+        nonlocal checked, mismatched
+        drafts = inner(seqs)
+        for seq, k in seqs:
+            context = list(seq.token_ids)
+            with torch.inference_mode():
+                for _ in range(k):
+                    logits = reference(torch.tensor([context])).logits[0, -1]
+                    context.append(int(logits.argmax()))
+            checked += 1
+            mismatched += drafts[seq.seq_id] != context[len(seq.token_ids) :]
+        return drafts
+
+    drafter.draft = draft  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, n=3)
+    tokens(llm, REPEATING + PROMPTS + REPEATING, greedy)
     sched = llm.scheduler
+    assert checked > 100
+    assert mismatched <= checked // 100, (mismatched, checked)  # float rounding only
+    assert sched.speculation.num_accepted_tokens < sched.speculation.num_draft_tokens / 2
     if scenario in ("swap", "recompute"):
         assert sched.preemptions[scenario] > 0
-    if scenario == "prefix":
-        assert sched.kv.hit_tokens > 0
-    assert check_invariants(sched) == []
 
 
-def test_seeded_samples_are_the_same_draws_with_and_without_proposals(engine) -> None:
+def test_seeded_samples_are_the_same_draws_with_and_without_proposals(
+    engine, tiny_checkpoint: Callable[[str], Path]
+) -> None:
     """Seeds, penalties, bias, min_tokens, bad words and logprobs: every control a
     draw sees at each position of a speculating step."""
     params = SamplingParams(
@@ -137,18 +220,21 @@ def test_seeded_samples_are_the_same_draws_with_and_without_proposals(engine) ->
     )
     prompts = REPEATING
     plain = engine("qwen2").generate(prompts, params)
-    llm = engine("qwen2", num_speculative_tokens=4)
-    counts = Counting(llm)
-    again = llm.generate(prompts, params)
-    assert counts.accepted > 0
-    for one, other in zip(plain, again, strict=True):
-        for a, b in zip(one.samples, other.samples, strict=True):
-            assert a.token_ids == b.token_ids
-            assert a.logprobs is not None and b.logprobs is not None
-            assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
-            for x, y in zip(a.logprobs, b.logprobs, strict=True):
-                assert x.keys() == y.keys()
-                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    for name, settings in proposers(tiny_checkpoint, "qwen2").items():
+        llm = engine("qwen2", num_speculative_tokens=4, **settings)
+        counts = Counting(llm)
+        again = llm.generate(prompts, params)
+        assert counts.proposed > 0, name
+        if name != "draft-other":
+            assert counts.accepted > 0, name
+        for one, other in zip(plain, again, strict=True):
+            for a, b in zip(one.samples, other.samples, strict=True):
+                assert a.token_ids == b.token_ids, name
+                assert a.logprobs is not None and b.logprobs is not None
+                assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+                for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
 CHI2_8_AT_0_001 = 26.124

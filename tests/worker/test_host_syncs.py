@@ -71,8 +71,8 @@ def test_a_decode_step_blocks_once(
         execute, apply = runner.execute, runner.state.apply
         kinds: list[bool] = []
 
-        def watched_apply(plan: Any) -> Any:
-            batch = apply(plan)
+        def watched_apply(plan: Any, drafter: Any = None) -> Any:
+            batch = apply(plan, drafter)
             kinds.append(bool(batch) and all(item.num_tokens == 1 for item in batch))
             return batch
 
@@ -157,8 +157,8 @@ def test_on_cuda_a_decode_step_synchronises_once(checkpoint: Path) -> None:
         execute, apply = runner.execute, runner.state.apply
         kinds: list[bool] = []
 
-        def watched_apply(plan: Any) -> Any:
-            batch = apply(plan)
+        def watched_apply(plan: Any, drafter: Any = None) -> Any:
+            batch = apply(plan, drafter)
             kinds.append(bool(batch) and all(item.num_tokens == 1 for item in batch))
             return batch
 

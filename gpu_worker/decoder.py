@@ -1,0 +1,97 @@
+"""A checkpoint loaded for the worker's forward: the model, the forward that runs it
+(expeditor's lean one where its model type has one, else transformers' model code, both
+over the paged KV cache through :mod:`gpu_worker.attention`) and its LM head.
+
+The model runner loads its target model this way, and the draft model of speculative
+decoding (:mod:`gpu_worker.draft_model`) its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from gpu_worker import attention
+from gpu_worker.architectures import check_supported, logits_fn
+from gpu_worker.lean_model import LeanDecoder, why_not_lean
+from gpu_worker.tensor_parallel import check_tp_supported, shard_model
+
+__all__ = ["Decoder", "load_decoder"]
+
+
+@dataclass(slots=True)
+class Decoder:
+    """A loaded checkpoint and how it runs."""
+
+    model: Any
+    """transformers' model (its weights; its forward when :attr:`lean` is None)."""
+    config: PretrainedConfig
+    lean: LeanDecoder | None
+    """The lean forward, when it runs one."""
+    impl_note: str
+    """Which forward runs, and why (the worker logs it)."""
+    logits: Any
+    """hidden rows -> logits, as the checkpoint's own head computes them."""
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: attention.StepMetadata
+    ) -> torch.Tensor:
+        """Hidden states of the packed tokens ``input_ids`` at ``positions``."""
+        if self.lean is not None:
+            return self.lean(input_ids, positions, meta)
+        out = self.model.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            expeditor_meta=meta,
+        )
+        return out.last_hidden_state[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the embedding has rows for."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+
+def load_decoder(
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_impl: str,
+    group: ProcessGroup | None = None,
+) -> Decoder:
+    """Load ``model_dir`` on ``device`` in ``dtype``, sharded over ``group`` (tensor
+    parallelism) when given. ``model_impl``: ``auto`` runs the lean forward where the
+    model type has one, ``transformers`` always transformers' model code."""
+    config = AutoConfig.from_pretrained(model_dir)
+    check_supported(config)
+    world = dist.get_world_size(group) if group is not None else 1
+    if world > 1:
+        check_tp_supported(config, world)
+    impl = attention.register()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=impl
+    ).to(device)
+    model.eval()
+    if world > 1:
+        shard_model(model, config, dist.get_rank(group), world, group)
+    lean = None
+    note = "transformers (model_impl=transformers)"
+    if model_impl == "auto":  # by model type, on every device and TP degree
+        reason = why_not_lean(model, config)
+        if reason is None:
+            lean = LeanDecoder(model, config, group)
+            sharded = f", sharded over {world} ranks" if world > 1 else ""
+            note = f"lean (model type {config.model_type!r}{sharded})"
+        else:
+            note = f"transformers ({reason})"
+    return Decoder(model, config, lean, note, logits_fn(model, config))
