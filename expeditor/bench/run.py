@@ -18,7 +18,13 @@ from expeditor.bench.workloads import Workload
 from shared.config import SCHEDULER_FIELDS, SchedulerConfig
 from shared.errors import ConfigError
 
-SERVE_OPTIONS = ("tensor_parallel_size", "cpu_threads", "model_impl", "cuda_graphs")
+SERVE_OPTIONS = (
+    "tensor_parallel_size",
+    "cpu_threads",
+    "model_impl",
+    "cuda_graphs",
+    "speculative_model",
+)
 """[server] settings the expeditor target takes in its brackets (passed to serve)."""
 SERVE_KEY = "serve"
 """Where those travel in a target's config (the expeditor runner takes them out)."""

@@ -289,7 +289,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         kv = self.kv
         step = InflightStep(self.step)
         budget = cfg.max_num_batched_tokens
-        proposal_length = self.speculation.length(len(self.running))
+        proposal_length = self.speculation.length(len(self.running), settled=not self.inflight)
         self._speculating = proposal_length > 0
 
         if cfg.policy == "priority":

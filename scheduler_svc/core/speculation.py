@@ -104,8 +104,12 @@ class SpeculationPolicy:
         """Decode steps' seconds (forward and sampling) against tokens computed."""
         self._since_probe = 0
 
-    def length(self, num_running: int) -> int:
-        """Tokens each decode of this step may propose (``num_running`` sequences run)."""
+    def length(self, num_running: int, *, settled: bool = True) -> int:
+        """Tokens each decode of this step may propose (``num_running`` sequences run).
+
+        ``settled``: no step is in flight. A probe planned while one is proposes for
+        no sequence with a token in flight; it stays due, and the next step (which
+        waits for the results: a proposing step is not planned ahead) makes it."""
         if not self.k:
             return 0
         best = self._best_length(num_running) if self.backoff else self.k
@@ -114,7 +118,8 @@ class SpeculationPolicy:
             return best
         self._since_probe += 1
         if self._since_probe >= PROBE_INTERVAL:
-            self._since_probe = 0
+            if settled:
+                self._since_probe = 0
             return self.k
         return 0
 
@@ -125,7 +130,9 @@ class SpeculationPolicy:
         if self.num_drafts < MIN_VERIFIED:
             return self.k
         line = self._fit.line()
-        if line is None:  # no timing (a fake worker), or one step size only
+        if line is None and self._fit.n:  # timed, but every step of one size (they all
+            return 0  # speculate, a draft model's always k): a plain step gives the base
+        if line is None:  # no timing (a fake worker)
             worth, cost = 1.0, 0.5  # a token must be accepted half the time
         else:
             fixed, per_token = line

@@ -266,6 +266,23 @@ def test_speculation_plans_one_step_at_a_time_and_overlap_resumes_when_it_stops(
     assert h.sched.can_plan_ahead()
 
 
+def test_probes_land_under_overlap_while_speculation_is_off() -> None:
+    """Backed off, one step in PROBE_INTERVAL still proposes with overlap on: a probe
+    that falls due while a step is in flight (its sequence has nothing to propose from)
+    stays due for the next step, which waits for that result."""
+    h = speculating(1.0, overlap_scheduling=True)
+    policy = h.sched.speculation
+    measured(policy, 0.0, 0.001)  # a step costs its tokens only: proposals never pay
+    for _ in range(MIN_VERIFIED):
+        policy.verified(4, 0)
+    request = h.add("r", 6, max_tokens=120)
+    h.run()
+    probes = sum(1 for plan in h.plans if plan.proposals)
+    assert probes >= len(h.plans) // PROBE_INTERVAL - 1 >= 2
+    assert probes < len(h.plans) // 4  # and only the probes
+    assert request.seqs[0].output_token_ids == h.reference(request)[0]
+
+
 def measured(policy: SpeculationPolicy, fixed: float, per_token: float) -> None:
     for tokens in (1, 2, 4, 8, 16, 32, 64):
         policy.timed(tokens, fixed + per_token * tokens)
@@ -294,6 +311,20 @@ def test_the_policy_stops_proposing_where_a_batch_makes_it_a_loss() -> None:
     decisions = [policy.length(40) for _ in range(2 * PROBE_INTERVAL)]
     assert decisions.count(0) == 2 * PROBE_INTERVAL - 2  # probes only, with every token
     assert set(decisions) == {0, 4}
+
+
+@pytest.mark.parametrize(("spec_s", "length"), [(0.273, 0), (0.060, 4)])
+def test_a_policy_timed_on_one_step_size_measures_a_plain_step(spec_s: float, length: int) -> None:
+    """Every decode speculating k (a draft model's, one sequence): the fit sees one step
+    size, so the policy runs a plain step for the base cost, then decides from both."""
+    policy = SpeculationPolicy(4)
+    for _ in range(MIN_VERIFIED):
+        policy.verified(4, 4)  # every draft accepted
+        policy.timed(5, spec_s)
+    assert policy.length(1) == 0  # a plain step, to measure
+    policy.timed(1, 0.044)
+    # 5 tokens in spec_s against 1 in 44 ms: a draft of 273 ms a step loses, one of 60 wins
+    assert policy.length(1) == length
 
 
 def test_a_policy_without_timings_backs_off_on_acceptance() -> None:
