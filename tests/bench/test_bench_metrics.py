@@ -239,5 +239,12 @@ def test_the_expeditor_target_takes_serve_settings_in_its_brackets() -> None:
         "model_impl": "transformers",
         "cuda_graphs": False,
     }
+    spec = parse_target(
+        "expeditor[num_speculative_tokens=4,speculative_model=smollm2-135m-instruct]"
+    )
+    assert spec.overrides == {"num_speculative_tokens": 4}
+    assert target_config(skewed(4), {}, spec)["serve"] == {
+        "speculative_model": "smollm2-135m-instruct"
+    }
     with pytest.raises(ValueError, match="scheduler config key"):
         parse_target("static[tensor_parallel_size=2]")  # only serve takes it
