@@ -121,6 +121,23 @@ class SchedulerConfig(StepLimits, frozen=True):
             "arrival order."
         ),
     ] = True
+    cache_aware_admission: Annotated[
+        bool,
+        Meta(
+            description="Admit the waiting request with the longest cached prefix first "
+            "(within a priority under the priority policy), and hold back one whose next "
+            "uncached block a running prefill is still to compute; none is passed over "
+            "more than max_bypass times. Needs enable_prefix_caching to matter.",
+        ),
+    ] = False
+    max_bypass: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Cache-aware admission: how many times a waiting request may be "
+            "passed over for one that arrived after it before it goes first.",
+        ),
+    ] = 4
     max_preemptions: Annotated[
         int,
         Meta(

@@ -89,6 +89,14 @@ class KVCacheManager:
             return []
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
+    def block_hashes_after(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The content hashes of ``seq``'s full blocks past its first ``num_tokens``
+        tokens (a prefill's blocks still to compute)."""
+        full = len(seq.token_ids) // self.block_size
+        if len(seq.block_hashes) < full:
+            self._extend_hashes(seq, full)
+        return seq.block_hashes[num_tokens // self.block_size : full]
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (all
         known) in the prefix cache."""

@@ -32,6 +32,12 @@ class SeqQueue:
         live = [e for e in self._heap if self._live.get(e[2].seq_id) == e[1]]
         return (e[2] for e in sorted(live))
 
+    def first(self, count: int) -> list[Sequence]:
+        """The first ``count`` live sequences in queue order (O(n log count))."""
+        live = self._live
+        entries = (e for e in self._heap if live.get(e[2].seq_id) == e[1])
+        return [e[2] for e in heapq.nsmallest(count, entries)]
+
     def push(self, seq: Sequence) -> None:
         self._ticket += 1
         self._live[seq.seq_id] = self._ticket

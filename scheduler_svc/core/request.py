@@ -170,6 +170,7 @@ class Sequence(_SequenceHotFields):
         "finish_reason",
         "key",
         "ngram",
+        "num_bypassed",
         "num_cached_blocks",
         "num_preemptions",
         "num_prompt_tokens",
@@ -204,6 +205,8 @@ class Sequence(_SequenceHotFields):
         self.key = key
         """Queue order (smaller runs first); static, see ``policies``."""
         self.num_preemptions = 0
+        self.num_bypassed = 0
+        """Times cache-aware admission admitted a later-queued sequence ahead of it."""
         self.pending_forks = 0
         """Samples still to fork from this one when its prompt completes (n>1)."""
         self.on_worker = False

@@ -41,6 +41,7 @@ from ipc.schema import (
     StepResult,
 )
 from scheduler_svc.core.admission import check_request
+from scheduler_svc.core.cache_aware import CacheAwareAdmission
 from scheduler_svc.core.ending import SequenceEnding
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.policies import (
@@ -115,6 +116,14 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         self.fair_share = FairShareRounds()
         """Fair-share rounds of the clients with unfinished requests, kept either way;
         the order uses them when ``config.fair_share``."""
+        self.admission = (
+            CacheAwareAdmission(
+                self.kv, max_bypass=config.max_bypass, by_priority=config.policy == "priority"
+            )
+            if config.cache_aware_admission
+            else None
+        )
+        """Cache-aware admission, when on: which waiting sequence goes next."""
         self.victims = VictimPolicy(config.max_preemptions)
         self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
         self.watermark_blocks = config.watermark_blocks(config.num_gpu_blocks)
@@ -290,6 +299,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         step = InflightStep(self.step)
         budget = cfg.max_num_batched_tokens
         proposal_length = self.speculation.length(len(self.running), settled=not self.inflight)
+        if self.admission is not None:
+            self.admission.begin(self.running)
         self._speculating = proposal_length > 0
 
         if cfg.policy == "priority":
@@ -394,7 +405,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                     num_new = self._chunk(seq.num_tokens - len(hits) * bs, budget)
                     if not kv.can_admit(seq, hits, num_new, reserve):
                         break
-                    self.waiting.pop()
+                    self.waiting.remove(seq)
                     kv.admit(seq, hits)
                     step.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
                 seq.status = SeqStatus.RUNNING
@@ -402,6 +413,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 self._running_forks += seq.pending_forks
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
+                if self.admission is not None and not from_swapped:
+                    self.admission.admitted(seq)
 
         if self.inflight and not (
             num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
@@ -463,6 +476,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         waiting = self.waiting.peek()
         if swapped is not None and (waiting is None or swapped.key < waiting.key):
             return swapped, True
+        if self.admission is not None and waiting is not None:
+            return self.admission.pick(self.waiting), False
         return waiting, False
 
     def _make_room(self, step: InflightStep, budget: int) -> None:
