@@ -91,6 +91,15 @@ class SchedulerConfig(StepLimits, frozen=True):
         int,
         Meta(ge=0, description="Blocks in the CPU swap pool (pinned shared memory); 0 = no swap."),
     ] = 0
+    prefix_cache_cpu_blocks: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Of num_cpu_blocks, blocks that keep prefix-cache blocks evicted "
+            "from the device (the host tier), copied back on a prefix hit instead of "
+            "recomputed; 0 = evicted prefixes are dropped.",
+        ),
+    ] = 0
     long_prefill_token_threshold: Annotated[
         int, Meta(ge=0, description="Cap on one request's prefill chunk per step; 0 = off.")
     ] = 0
@@ -234,6 +243,17 @@ class SchedulerConfig(StepLimits, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.prefix_cache_cpu_blocks > self.num_cpu_blocks:
+            raise ConfigError(
+                f"prefix_cache_cpu_blocks: must be <= num_cpu_blocks ({self.num_cpu_blocks}), "
+                f"got {self.prefix_cache_cpu_blocks}",
+                field="prefix_cache_cpu_blocks",
+            )
+        if self.prefix_cache_cpu_blocks and not self.enable_prefix_caching:
+            raise ConfigError(
+                "prefix_cache_cpu_blocks: the host tier needs enable_prefix_caching",
+                field="prefix_cache_cpu_blocks",
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_max}), "

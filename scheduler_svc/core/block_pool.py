@@ -15,7 +15,7 @@ not a linked node per block, which keeps the pool's memory footprint small.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(block holding the previous block of the prefix, this block's tokens).
@@ -58,6 +58,9 @@ class DeviceBlockPool:
         self._num_stale = 0
         self.free_queue = FreeQueue(self)
         """The free queue as an ordered collection (len, in, iteration)."""
+        self.on_evict: Callable[[int], None] | None = None
+        """Called with each cached block an allocation evicts, before it forgets it
+        (the host tier keeps its content)."""
 
     @property
     def num_free(self) -> int:
@@ -111,6 +114,8 @@ class DeviceBlockPool:
                 block = popleft()
             is_free[block] = False
             if block_hash[block] is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
             ref_cnt[block] = 1
             blocks.append(block)

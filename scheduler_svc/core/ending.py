@@ -137,7 +137,7 @@ class SequenceEnding:
         self._running_forks = 0
         self._freed_seq_ids = []
         self._reset_workers = True
-        self.kv.pool.reset_prefix_cache()
+        self.kv.reset_prefix_cache()  # the host tier too: the lost steps' copies
         quarantined = []
         for request in suspects:
             request.num_failed_steps += 1

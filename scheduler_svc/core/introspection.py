@@ -70,6 +70,10 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
     if scheduler.last_plan_tokens > cfg.max_num_batched_tokens:
         problems.append(f"last plan scheduled {scheduler.last_plan_tokens} tokens")
     problems += scheduler.kv.pool.check(refs)
+    host = scheduler.kv.host
+    if host is not None:
+        cpu_held.extend(host.blocks)
+        problems += host.check([block for step in scheduler.inflight for block in step.host_pins])
     problems += scheduler.kv.cpu_pool.check(cpu_held)
     return problems
 

@@ -15,6 +15,7 @@ in the same step may already share them.
 from __future__ import annotations
 
 from scheduler_svc.core.block_pool import NO_PARENT, CpuBlockPool, DeviceBlockPool, chain_hash
+from scheduler_svc.core.host_tier import HostPrefixTier, sequence_digests
 from scheduler_svc.core.request import Sequence
 
 CopyOnWrite = tuple[int, int, int]
@@ -29,13 +30,20 @@ class KVCacheManager:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = DeviceBlockPool(num_gpu_blocks)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.host: HostPrefixTier | None = None
+        """The prefix cache's host tier (``prefix_cache_cpu_blocks``), if any."""
+        if num_host_blocks:
+            self.host = HostPrefixTier(self.cpu_pool, num_host_blocks, num_gpu_blocks)
+            self.pool.on_evict = self.host.demote
         self.queried_tokens = 0
         self.hit_tokens = 0
+        """Prompt tokens admitted from the prefix cache, either tier."""
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -89,6 +97,20 @@ class KVCacheManager:
             return []
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
+    def find_host(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """Host-tier blocks holding ``seq``'s blocks after its device ``hits``, in a row
+        (the same limits as :meth:`find_prefix`)."""
+        if self.host is None or seq.request.params.prompt_logprobs is not None:
+            return []
+        stop = (seq.num_tokens - 1) // self.block_size
+        return self.host.find(seq, len(hits), stop, self.block_size)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on both tiers (the workers lost their state)."""
+        self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
+
     def block_hashes_after(self, seq: Sequence, num_tokens: int) -> list[int]:
         """The content hashes of ``seq``'s full blocks past its first ``num_tokens``
         tokens (a prefill's blocks still to compute)."""
@@ -128,6 +150,9 @@ class KVCacheManager:
             content_hash = hashes[index]
             if content_hash not in cached and block_hash[block] is None:
                 pool.cache(block, content_hash, (parent, tokens))
+                if self.host is not None:
+                    digests = sequence_digests(seq, full, self.block_size)
+                    self.host.device_digest[block] = digests[index]
         seq.num_cached_blocks = full
 
     # -- admission and growth -----------------------------------------------------------
@@ -137,19 +162,38 @@ class KVCacheManager:
         ref_cnt = self.pool.ref_cnt
         return num_blocks_after - len(hits) + sum(1 for b in hits if ref_cnt[b] == 0)
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_new: int, reserve: int) -> bool:
-        """Whether ``seq`` (no blocks yet) can take ``hits`` and ``num_new`` tokens more."""
-        after = self.blocks_for(len(hits) * self.block_size + num_new)
+    def can_admit(
+        self, seq: Sequence, hits: list[int], num_new: int, reserve: int, num_host: int = 0
+    ) -> bool:
+        """Whether ``seq`` (no blocks yet) can take ``hits``, ``num_host`` blocks copied
+        from the host tier and ``num_new`` tokens more."""
+        after = self.blocks_for((len(hits) + num_host) * self.block_size + num_new)
         return self._cost(after, hits) + reserve <= self.pool.num_free
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Start ``seq``'s table from its prefix hits; follow with :meth:`append`."""
+    def admit(
+        self, seq: Sequence, hits: list[int], host: list[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """Start ``seq``'s table from its prefix hits, then new blocks for its ``host``
+        tier hits (pinned until the step is done); follow with :meth:`append`. Returns
+        the (host block, device block) copies."""
         self.pool.share(hits)
-        seq.block_table = list(hits)
+        table = list(hits)
+        pairs: list[tuple[int, int]] = []
+        if host:
+            assert self.host is not None
+            self.host.pin(host)  # before allocating: a demotion must not take them
+            copied = self.pool.allocate(len(host))
+            table += copied
+            pairs = list(zip(host, copied, strict=True))
+            self.host.hit_tokens += len(host) * self.block_size
+        seq.block_table = table
         seq.num_cached_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(table) * self.block_size
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_computed_tokens
+        if pairs:
+            self.cache_full_blocks(seq, seq.num_computed_tokens)
+        return pairs
 
     def _needs_cow(self, seq: Sequence) -> bool:
         computed = seq.num_computed_tokens
@@ -201,6 +245,7 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         self.pool.share(child.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.block_digests = list(parent.block_digests)
         child.num_cached_blocks = parent.num_cached_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 

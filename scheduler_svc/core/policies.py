@@ -254,6 +254,14 @@ class PreemptionCostModel:
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
 
+    def copy_in_pays(self, num_blocks: int, block_size: int) -> bool:
+        """Whether copying ``num_blocks`` prefix blocks in from the host tier (one way)
+        beats computing their tokens again."""
+        copy_s = self.swap_overhead_s + num_blocks * self.kv_bytes_per_block / (
+            self.swap_bandwidth_bytes_per_s
+        )
+        return copy_s < self.recompute_seconds(num_blocks * block_size)
+
     def choose(self, seq: Sequence, cpu_free_blocks: int) -> PreemptionMode:
         num_blocks = len(seq.block_table)
         if self.mode == "recompute" or not 0 < num_blocks <= cpu_free_blocks:

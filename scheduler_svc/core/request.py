@@ -165,6 +165,7 @@ class Sequence(_SequenceHotFields):
     """One sample of a request: its tokens, its progress and where its K/V live."""
 
     __slots__ = (
+        "block_digests",
         "block_hashes",
         "cpu_block_table",
         "finish_reason",
@@ -199,6 +200,8 @@ class Sequence(_SequenceHotFields):
         self.cpu_block_table: list[int] = []
         self.block_hashes: list[int] = []
         """Chained content hashes of this sequence's full blocks, computed lazily."""
+        self.block_digests: list[bytes] = []
+        """Their prefix digests for the host tier (``host_tier.sequence_digests``)."""
         self.num_cached_blocks = 0
         """Leading blocks of ``block_table`` already registered in the prefix cache."""
         self.status = SeqStatus.WAITING

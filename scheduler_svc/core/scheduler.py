@@ -111,6 +111,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             num_gpu_blocks=config.num_gpu_blocks,
             num_cpu_blocks=config.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=config.prefix_cache_cpu_blocks,
         )
         self.order = make_queue_order(config)
         self.fair_share = FairShareRounds()
@@ -402,11 +403,17 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                     step.swapped_in.append(seq.seq_id)
                 else:
                     hits = kv.find_prefix(seq)
-                    num_new = self._chunk(seq.num_tokens - len(hits) * bs, budget)
-                    if not kv.can_admit(seq, hits, num_new, reserve):
+                    host = kv.find_host(seq, hits)
+                    if host and not self.cost_model.copy_in_pays(len(host), bs):
+                        host = []
+                    num_new = self._chunk(seq.num_tokens - (len(hits) + len(host)) * bs, budget)
+                    if not kv.can_admit(seq, hits, num_new, reserve, len(host)):
                         break
                     self.waiting.remove(seq)
-                    kv.admit(seq, hits)
+                    copies = kv.admit(seq, hits, host)
+                    if copies:
+                        step.swap_in.extend(copies)
+                        step.host_pins.extend(host)
                     step.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
                 seq.status = SeqStatus.RUNNING
                 bisect.insort(running, seq, key=_sort_key)
@@ -416,6 +423,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 if self.admission is not None and not from_swapped:
                     self.admission.admitted(seq)
 
+        if kv.host is not None and kv.host.pending:  # evicted blocks the host tier keeps
+            step.swap_out.extend(kv.host.take_pending())
         if self.inflight and not (
             num_scheduled or step.swap_out or self._freed_seq_ids or self._reset_workers
         ):
@@ -553,6 +562,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         self.inflight.popleft()
         # The swap-ins of that step have run: their CPU blocks are free again.
         self.kv.cpu_pool.release(done.cpu_release)
+        if done.host_pins:
+            self.kv.host.unpin(done.host_pins)  # type: ignore[union-attr]
         sampled = result.sampled_token_ids
         logprobs = result.logprobs or {}
         plain = not logprobs

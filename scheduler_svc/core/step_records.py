@@ -113,6 +113,8 @@ class InflightStep:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     cpu_release: list[int] = field(default_factory=list)
     """CPU blocks of its swap-ins, released when its result arrives."""
+    host_pins: list[int] = field(default_factory=list)
+    """Host-tier blocks its swap-ins copy from, unpinned when its result arrives."""
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_samples: dict[str, int] = field(default_factory=dict)
     """Sequences that fork n>1 samples in it (nothing is planned past such a step)."""

@@ -98,6 +98,8 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("aging_rate", math.inf),
     ("fair_share", 1),
     ("fair_share", "false"),
+    ("prefix_cache_cpu_blocks", -1),
+    ("prefix_cache_cpu_blocks", 1),  # more than num_cpu_blocks (0)
     ("cache_aware_admission", 1),
     ("max_bypass", -1),
     ("max_bypass", 1.5),
@@ -450,6 +452,12 @@ def test_config_to_toml_round_trips_every_field_changed(tmp_path: Path) -> None:
         swap_overhead_ms=0.0,
         max_queued_per_user=7,
     )
-    assert all(getattr(cfg, name) != getattr(SchedulerConfig(), name) for name in SCHEDULER_FIELDS)
-    path = write_config(tmp_path, config_to_toml(cfg))
-    assert load_config(path, env={}) == cfg
+    # The host tier needs the prefix cache that cfg turns off: it changes in a second one.
+    tiered = msgspec.structs.replace(cfg, enable_prefix_caching=True, prefix_cache_cpu_blocks=5)
+    default = SchedulerConfig()
+    changed = {name for name in SCHEDULER_FIELDS if getattr(cfg, name) != getattr(default, name)}
+    assert set(SCHEDULER_FIELDS) - changed == {"prefix_cache_cpu_blocks"}
+    assert tiered.prefix_cache_cpu_blocks != default.prefix_cache_cpu_blocks
+    for each in (cfg, tiered):
+        path = write_config(tmp_path, config_to_toml(each))
+        assert load_config(path, env={}) == each
