@@ -188,6 +188,13 @@ def render(reply: InspectReply) -> Group:
             f"{snap.prefix_cache.hit_rate:.1%} of {snap.prefix_cache.queried_tokens} "
             "prompt tokens hit",
         )
+        cache = snap.prefix_cache
+        if cache.host_blocks:
+            summary.add_row(
+                "host tier",
+                f"{cache.host_cached_blocks}/{cache.host_blocks} blocks hold prefixes, "
+                f"{cache.host_hit_tokens} prompt tokens copied back",
+            )
         summary.add_row("preemptions", ", ".join(f"{k} {v}" for k, v in snap.preemptions.items()))
         summary.add_row("finished", ", ".join(f"{k} {v}" for k, v in snap.finished.items()))
     if reply.step_times is not None:

@@ -298,6 +298,12 @@ class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     queried_tokens: int
     hit_tokens: int
+    """Found in either tier."""
+    host_hit_tokens: int = 0
+    """Of them, copied back from the host tier."""
+    host_blocks: int = 0
+    """Host tier blocks (``prefix_cache_cpu_blocks``) and how many hold a prefix block."""
+    host_cached_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -573,6 +579,7 @@ class MetricsReply(
     prefix_cache_queries: int
     """Prompt tokens looked up in the prefix cache."""
     prefix_cache_hits: int
+    """Of them, found in either tier (the device's, or the host tier's)."""
     request_success: dict[str, int]
     """Finished requests by finish reason of their first sample: stop, length, abort."""
     histograms: dict[str, HistogramData]
@@ -584,6 +591,10 @@ class MetricsReply(
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
     """Entry i: how often the i-th token of a proposal was accepted."""
+    prefix_cache_host_hits: int = 0
+    """Prompt tokens copied back from the prefix cache's host tier instead of computed."""
+    prefix_cache_host_demoted_blocks: int = 0
+    """Device blocks evicted from the prefix cache that the host tier kept."""
 
 
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):

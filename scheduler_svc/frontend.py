@@ -431,7 +431,7 @@ class Frontend:
         running = waiting = swapped = 0
         kv_usage = cpu_usage = 0.0
         preemptions: dict[str, int] = {}
-        queried = hits = 0
+        queried = hits = host_hits = demoted = 0
         spec = None
         if core is not None:
             spec = core.speculation
@@ -441,6 +441,8 @@ class Frontend:
             cpu_usage = 1 - cpu.num_free / cpu.num_blocks if cpu.num_blocks else 0.0
             preemptions = dict(core.preemptions)
             queried, hits = core.kv.queried_tokens, core.kv.hit_tokens
+            if (host := core.kv.host) is not None:
+                host_hits, demoted = host.hit_tokens, host.num_demoted
         return MetricsReply(
             model=self.model,
             num_requests_running=running,
@@ -453,6 +455,8 @@ class Frontend:
             generation_tokens=metrics.generation_tokens,
             prefix_cache_queries=queried,
             prefix_cache_hits=hits,
+            prefix_cache_host_hits=host_hits,
+            prefix_cache_host_demoted_blocks=demoted,
             request_success=dict(metrics.request_success),
             histograms=metrics.histograms(),
             spec_decode_num_drafts=spec.num_drafts if spec else 0,

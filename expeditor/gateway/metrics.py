@@ -40,7 +40,12 @@ _COUNTERS = (
     ("prompt_tokens", "Prompt tokens of the requests scheduled."),
     ("generation_tokens", "Tokens generated."),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (either tier)."),
+    ("prefix_cache_host_hits", "Prompt tokens copied back from the prefix cache's host tier."),
+    (
+        "prefix_cache_host_demoted_blocks",
+        "Device blocks evicted from the prefix cache that the host tier kept.",
+    ),
     ("spec_decode_num_drafts", "Speculative decoding: proposals verified."),
     ("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
     ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."),

@@ -81,6 +81,7 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
 def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
     """The scheduler's queues, pools, counters and every live sequence."""
     pool = scheduler.kv.pool
+    host = scheduler.kv.host
     seqs = [
         SeqInfo(
             seq_id=seq.seq_id,
@@ -108,7 +109,11 @@ def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
             total=scheduler.kv.cpu_pool.num_blocks, free=scheduler.kv.cpu_pool.num_free
         ),
         prefix_cache=PrefixCacheStats(
-            queried_tokens=scheduler.kv.queried_tokens, hit_tokens=scheduler.kv.hit_tokens
+            queried_tokens=scheduler.kv.queried_tokens,
+            hit_tokens=scheduler.kv.hit_tokens,
+            host_hit_tokens=host.hit_tokens if host is not None else 0,
+            host_blocks=len(host.blocks) if host is not None else 0,
+            host_cached_blocks=host.num_cached if host is not None else 0,
         ),
         preemptions=dict(scheduler.preemptions),
         finished=dict(scheduler.finished_counts),

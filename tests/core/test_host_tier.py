@@ -12,6 +12,7 @@ import pytest
 from support.harness import BS, Harness
 
 from scheduler_svc.core.host_tier import block_digest
+from scheduler_svc.core.introspection import snapshot
 from scheduler_svc.simulator import Simulation
 from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
@@ -59,6 +60,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_instead_of_recomputed() -> N
     assert len(copied_in) == len(PREFIX) // BS
     assert sum(len(plan.swap_out) for plan in h.plans) == host.num_demoted
     assert h_off.sched.kv.host is None
+    stats = snapshot(h.sched).prefix_cache  # what inspect shows
+    assert (stats.host_hit_tokens, stats.host_blocks) == (len(PREFIX), 48)
+    assert stats.host_cached_blocks == host.num_cached > 0
 
 
 def test_the_least_recently_used_host_blocks_make_room() -> None:

@@ -588,6 +588,7 @@ def test_metrics_move_with_traffic_from_http_and_zmq(server, sync_client, model_
         "num_requests_running", "num_requests_waiting", "num_requests_swapped",
         "kv_cache_usage_perc", "cpu_swap_usage_perc", "num_preemptions", "prompt_tokens",
         "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "request_success",
+        "prefix_cache_host_hits", "prefix_cache_host_demoted_blocks",
         "time_to_first_token_seconds", "inter_token_latency_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "iteration_tokens_total",
     ):  # fmt: skip
