@@ -30,7 +30,9 @@ from a seeded family; by default against expeditor and expeditor[constraints=off
 the same requests unconstrained, each generating as many tokens as it did
 constrained); lookup (chat requests asking to repeat, edit or extend a passage of the
 prompt, through the model's chat template: by default against expeditor and
-expeditor[num_speculative_tokens=4], prompt lookup's gain); or a JSONL file of
+expeditor[num_speculative_tokens=4], prompt lookup's gain); multi-turn (conversations
+re-sending their histories through a device pool a third of their working set: by
+default against expeditor and one with the prefix cache's host tier); or a JSONL file of
 requests ({"prompt_token_ids" | "prompt_len", "max_tokens", "arrival_s"}).
 
 Targets: expeditor (the daemons via the client library, streaming); inprocess (the
@@ -50,6 +52,7 @@ max_concurrency= (default: every request at its arrival time), e.g.
 DEFAULT_TARGETS = {
     "json": ["expeditor", "expeditor[constraints=off]"],
     "lookup": ["expeditor", "expeditor[num_speculative_tokens=4]"],
+    "multi-turn": ["expeditor", "expeditor[num_cpu_blocks=512,prefix_cache_cpu_blocks=512]"],
 }
 """Workloads' targets unless --target says: what they measure, side by side (the cost
 of constraints; the gain of prompt lookup). Others: expeditor and static."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from expeditor.bench.metrics import KVSample, RequestTimeline
 from expeditor.bench.workloads import BenchRequest, Workload
-from ipc.schema import SchedulerSnapshot, SeqStatus, StepTimes
+from ipc.schema import PrefixCacheStats, SchedulerSnapshot, SeqStatus, StepTimes
 from shared.structured_output import StructuredOutput
 
 TARGETS = ("expeditor", "inprocess", "static", "hf-cb")
@@ -157,8 +157,20 @@ async def _drive_server(address: str, workload: Workload, on_done: OnDone) -> Ta
             metrics.spec_decode_num_draft_tokens,
             metrics.spec_decode_num_accepted_tokens,
             steps,
-        ),
+        )
+        + (prefix_cache_notes(final.prefix_cache) if final else []),
     )
+
+
+def prefix_cache_notes(stats: PrefixCacheStats) -> list[str]:
+    """The prefix cache's tiers in a line (none when nothing was looked up)."""
+    if not stats.queried_tokens:
+        return []
+    host = f", {stats.host_hit_tokens} from the host tier" if stats.host_blocks else ""
+    return [
+        f"prefix cache: {stats.hit_tokens} of {stats.queried_tokens} prompt tokens hit"
+        f"{host}; {stats.queried_tokens - stats.hit_tokens} computed"
+    ]
 
 
 def speculation_notes(drafts: int, draft_tokens: int, accepted: int, steps: int) -> list[str]:

@@ -512,15 +512,17 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "pressure": pressure,
 }
 """Built-in workload generators by name; each is called as ``gen(num_requests, seed=...)``
-(:func:`generators` adds ``json`` and ``lookup``, whose modules build on this one)."""
+(:func:`generators` adds ``json``, ``lookup`` and ``multi-turn``, whose modules build on
+this one)."""
 
 
 def generators() -> dict[str, Callable[..., Workload]]:
-    """Every built-in workload generator by name, ``json`` and ``lookup`` included."""
+    """Every built-in workload generator by name, those of other modules included."""
     from expeditor.bench.json_workload import json_schemas
     from expeditor.bench.lookup_workload import lookup
+    from expeditor.bench.multi_turn_workload import multi_turn
 
-    return {**WORKLOADS, "json": json_schemas, "lookup": lookup}
+    return {**WORKLOADS, "json": json_schemas, "lookup": lookup, "multi-turn": multi_turn}
 
 
 def _check_overrides(

@@ -303,3 +303,33 @@ def test_no_torch_or_transformers_import() -> None:
     )
     root = REPO
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_multi_turn_turns_re_send_their_history() -> None:
+    load = make_workload("multi-turn", 12, seed=4, turns=3, think_s=5.0, stagger_s=1.0)
+    assert load.name == "multi-turn" and len(load.requests) == 12
+    by_id = {r.request_id: r for r in load.requests}
+    system = by_id["chat-0-0"].prompt_token_ids[: 1 + 64]
+    for conversation in range(4):
+        turns = [by_id[f"chat-{conversation}-{turn}"] for turn in range(3)]
+        assert [t.arrival_s for t in turns] == [conversation + 5.0 * t for t in range(3)]
+        assert turns[0].prompt_token_ids[: 1 + 64] == system  # the shared system prompt
+        for before, after in pairwise(turns):
+            grown = len(after.prompt_token_ids) - len(before.prompt_token_ids)
+            assert after.prompt_token_ids[: len(before.prompt_token_ids)] == before.prompt_token_ids
+            assert 48 + 16 <= grown <= 48 + 48  # an answer and a user message
+        assert all(t.max_tokens == 48 and t.ignore_eos for t in turns)
+    arrivals = [r.arrival_s for r in load.requests]
+    assert arrivals == sorted(arrivals)
+    working_set = sum(-(-(len(by_id[f"chat-{c}-2"].prompt_token_ids) + 48) // 16) for c in range(4))
+    assert load.config == {
+        "num_gpu_blocks": int(working_set / 3),
+        "block_size": 16,
+        "enable_prefix_caching": True,
+    }
+    assert (
+        make_workload("multi-turn", 12, seed=4).requests
+        == make_workload("multi-turn", 12, seed=4).requests
+    )
+    with pytest.raises(ValueError, match="turns must be"):
+        make_workload("multi-turn", 12, turns=0)
