@@ -21,8 +21,10 @@ token with the chance ``r_j`` that it is reached and accepted, a token a plain s
 ``B`` decodes makes for ``(a + b * B) / B``; the policy proposes up to the last ``j``
 with ``r_j * (a + b * B) / B > b`` (0: none this step). A batch large enough that the
 fixed cost per sequence falls under the verification cost turns proposals off; while
-they are off the policy still proposes ``k`` tokens one step in :data:`PROBE_INTERVAL`
-to keep its measure current.
+they are off the policy still proposes ``k`` tokens after :data:`PROBE_INTERVAL` steps
+to keep its measure current, and after twice as many each time that probe does not
+turn them on again (up to :data:`MAX_PROBE_INTERVAL`): a draft model's probe costs a
+catch-up of every context since its last draft.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.step_records import InflightStep, StepOutput, WorkerProtocolError
 
 __all__ = [
+    "MAX_PROBE_INTERVAL",
     "MIN_VERIFIED",
     "PROBE_INTERVAL",
     "PromptLookup",
@@ -48,6 +51,9 @@ __all__ = [
 PROBE_INTERVAL = 32
 """While speculation does not pay, one step in this many speculates anyway (a measure
 of the acceptance now: the text a batch generates changes)."""
+
+MAX_PROBE_INTERVAL = 256
+"""The interval doubles with each probe that leaves speculation off, up to this."""
 
 MIN_VERIFIED = 16
 """Proposals verified before their gain may turn speculation off."""
@@ -103,6 +109,7 @@ class SpeculationPolicy:
         self._fit = _LinearFit()
         """Decode steps' seconds (forward and sampling) against tokens computed."""
         self._since_probe = 0
+        self._probe_interval = PROBE_INTERVAL
 
     def length(self, num_running: int, *, settled: bool = True) -> int:
         """Tokens each decode of this step may propose (``num_running`` sequences run).
@@ -115,11 +122,13 @@ class SpeculationPolicy:
         best = self._best_length(num_running) if self.backoff else self.k
         if best:
             self._since_probe = 0
+            self._probe_interval = PROBE_INTERVAL
             return best
         self._since_probe += 1
-        if self._since_probe >= PROBE_INTERVAL:
+        if self._since_probe >= self._probe_interval:
             if settled:
                 self._since_probe = 0
+                self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             return self.k
         return 0
 

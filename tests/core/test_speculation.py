@@ -15,7 +15,12 @@ from support.harness import BS, Harness, restart_worker
 
 from ipc.schema import SeqStatus, StepResult
 from scheduler_svc.core.introspection import check_invariants
-from scheduler_svc.core.speculation import MIN_VERIFIED, PROBE_INTERVAL, SpeculationPolicy
+from scheduler_svc.core.speculation import (
+    MAX_PROBE_INTERVAL,
+    MIN_VERIFIED,
+    PROBE_INTERVAL,
+    SpeculationPolicy,
+)
 from scheduler_svc.core.step_records import WorkerProtocolError
 from scheduler_svc.fake_worker import FakeProposer
 from scheduler_svc.simulator import Simulation
@@ -278,7 +283,7 @@ def test_probes_land_under_overlap_while_speculation_is_off() -> None:
     request = h.add("r", 6, max_tokens=120)
     h.run()
     probes = sum(1 for plan in h.plans if plan.proposals)
-    assert probes >= len(h.plans) // PROBE_INTERVAL - 1 >= 2
+    assert probes >= 2  # at steps 32 and 96 (the interval doubles)
     assert probes < len(h.plans) // 4  # and only the probes
     assert request.seqs[0].output_token_ids == h.reference(request)[0]
 
@@ -308,9 +313,14 @@ def test_the_policy_stops_proposing_where_a_batch_makes_it_a_loss() -> None:
     # token j is reached and accepted with 0.5**j; it pays while
     # 0.5**j * (10 + 0.5 B) / B > 0.5
     assert [policy.length(b) for b in (1, 8, 19)] == [3, 1, 1]  # the 4th: never accepted
-    decisions = [policy.length(40) for _ in range(2 * PROBE_INTERVAL)]
-    assert decisions.count(0) == 2 * PROBE_INTERVAL - 2  # probes only, with every token
-    assert set(decisions) == {0, 4}
+    decisions = [policy.length(40) for _ in range(3 * MAX_PROBE_INTERVAL)]
+    probes = [step + 1 for step, length in enumerate(decisions) if length]
+    assert set(decisions) == {0, 4}  # probes only, with every token
+    # each probe that leaves it off doubles the wait for the next, up to the cap
+    assert probes[:5] == [32, 32 + 64, 96 + 128, 224 + 256, 480 + 256]
+    assert policy.length(1) == 3  # paying again: back to the short interval
+    decisions = [policy.length(40) for _ in range(PROBE_INTERVAL)]
+    assert decisions.count(4) == 1
 
 
 @pytest.mark.parametrize(("spec_s", "length"), [(0.273, 0), (0.060, 4)])
