@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -64,9 +65,17 @@ def bench(
     workload: Annotated[
         str,
         typer.Option(
-            help="skewed | poisson | shared-prefix | pressure | json | lookup | FILE.jsonl"
+            help="skewed | poisson | shared-prefix | pressure | json | lookup | multi-turn | "
+            "FILE.jsonl"
         ),
     ] = "skewed",
+    workload_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="KEY=VALUE for the workload's generator, VALUE as JSON (e.g. "
+            "num_prefixes=16, suffix_len=[8,32]); repeatable."
+        ),
+    ] = None,
     target: Annotated[
         list[str] | None,
         typer.Option(
@@ -116,6 +125,7 @@ def bench(
         extra: dict[str, Any] = {
             k: v for k, v in (("rate", rate), ("burstiness", burstiness)) if v is not None
         }
+        extra.update(_workload_args(workload_arg or []))
         if workload == "lookup":
             extra["model"] = checkpoint  # its prompts are the model's chat
         load = make_workload(workload, num_requests, seed, **extra)
@@ -189,6 +199,21 @@ def _checkpoint(model: str | None) -> Path:
         return resolve_model(model)
     except ValueError as exc:
         fail(escape(str(exc)))
+
+
+def _workload_args(items: list[str]) -> dict[str, Any]:
+    """``--workload-arg`` values: KEY=VALUE with VALUE as JSON (a list is a tuple)."""
+    args: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--workload-arg {item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text  # a plain string
+        args[key.strip().replace("-", "_")] = tuple(value) if isinstance(value, list) else value
+    return args
 
 
 def _ms(summary: dict[str, float] | None, *keys: str) -> str:

@@ -375,6 +375,33 @@ def test_cli_bench_json(model: Path) -> None:
     assert result["kv"] is None and result["step_ms"] is None
 
 
+def test_cli_bench_passes_workload_args(model: Path) -> None:
+    with serving(Stub(style="hf")) as stub:
+        outcome = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                *("--model", str(model), "--num-requests", "4", "--json"),
+                *("--workload", "shared-prefix", "--workload-arg", "num_prefixes=2"),
+                *("--workload-arg", "prefix-len=8", "--workload-arg", "suffix_len=[2,3]"),
+                *("--target", f"openai:{stub.url}"),
+            ],
+        )
+        assert outcome.exit_code == 0, outcome.output
+        report = json.loads(outcome.stdout.strip().splitlines()[-1])
+        assert (
+            "one of 2 shared 8-token prefixes + a distinct 2-3-token suffix"
+            in (report["description"])
+        )
+        refused = CliRunner().invoke(
+            app,
+            ["bench", "--model", str(model), "--workload-arg", "bogus=1"]
+            + ["--target", f"openai:{stub.url}"],
+        )
+    assert refused.exit_code == 2
+    assert "does not take bogus" in " ".join(refused.output.split())
+
+
 def test_cli_bench_reports_total_failure(model: Path) -> None:
     with serving(Stub(fail_every=1)) as stub:
         outcome = CliRunner().invoke(
