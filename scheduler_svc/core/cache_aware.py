@@ -6,9 +6,9 @@ this module may admit a sequence further back instead, in two cases:
 
 - **Longest cached prefix first.** Of the first :data:`SCAN` waiting sequences (of
   the head's priority under the priority policy), the one whose prompt has the most
-  blocks in the device prefix cache goes first; ties keep queue order. Every sequence
-  queued before it, of any priority, is passed over. Admitting it
-  reuses blocks now, before admitting others evicts them.
+  blocks in the prefix cache (the device's, then the host tier's) goes first; ties
+  keep queue order. Every sequence queued before it, of any priority, is passed over.
+  Admitting it reuses blocks now, before admitting others evicts them.
 - **One prefill warms a shared prefix.** A sequence whose first uncached block is one a
   running prefill has still to compute (chunked prefill computes a long prompt over
   several steps) waits for it: once computed, the block is a hit, not a second copy.
@@ -76,7 +76,8 @@ class CacheAwareAdmission:
             barrier = seq.num_bypassed >= self.max_bypass
             if not barrier and self.by_priority and seq.request.priority != priority:
                 continue
-            hits = len(kv.find_prefix(seq))
+            found = kv.find_prefix(seq)
+            hits = len(found) + len(kv.find_host(seq, found))  # either tier saves compute
             if not barrier and self._held(seq, hits):
                 continue
             if hits > best_hits:

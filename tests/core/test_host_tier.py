@@ -151,3 +151,27 @@ def test_the_tier_is_part_of_the_cpu_pool_and_needs_the_prefix_cache() -> None:
         SchedulerConfig(num_cpu_blocks=8, prefix_cache_cpu_blocks=4, enable_prefix_caching=False)
     h = Harness(enable_prefix_caching=True, num_cpu_blocks=10, prefix_cache_cpu_blocks=6)
     assert h.sched.kv.cpu_pool.num_free == 4  # what preemption may swap into
+
+
+def test_cache_aware_admission_counts_host_hits() -> None:
+    """A request whose prefix is on the host goes ahead of one on a new prefix."""
+    h = Harness(
+        enable_prefix_caching=True,
+        num_gpu_blocks=24,
+        num_cpu_blocks=48,
+        prefix_cache_cpu_blocks=48,
+        max_num_seqs=1,
+        cache_aware_admission=True,
+    )
+    h.add("first", [*PREFIX, 1, 2, 3], max_tokens=2)
+    for index in range(3):
+        h.add(f"other{index}", h.model.prompt(f"other{index}", 10 * BS - 2), max_tokens=2)
+    h.run()
+    assert h.sched.kv.find_prefix(h.requests["first"].seqs[0]) == []  # on the host only
+    start = len(h.plans)
+    h.add("cold", h.model.prompt("cold", 6 * BS), max_tokens=1)
+    h.add("again", [*PREFIX, 4], max_tokens=1)
+    h.run()
+    order = [s for plan in h.plans[start:] for s in plan.num_scheduled_tokens]
+    assert order.index("again") < order.index("cold")
+    assert h.sched.kv.host is not None and h.sched.kv.host.hit_tokens == len(PREFIX)
