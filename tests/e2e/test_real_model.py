@@ -111,23 +111,27 @@ def test_float32_greedy_is_token_exact(
     [
         {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
         {"num_gpu_blocks": 24, "block_size": 4, "preemption_mode": "swap"},
+        {"num_gpu_blocks": 24, "block_size": 4, "preemption_mode": "recompute"},
     ],
-    ids=["chunked-prefix", "swap"],
+    ids=["chunked-prefix", "swap", "recompute"],
 )
 def test_float32_greedy_with_the_model_drafting_for_itself_is_token_exact(
     prompts: list[list[int]], hf_float32: list[list[int]], schedule: dict[str, object]
 ) -> None:
     """A draft model (here the checkpoint itself, its K/V in a cache of its own) proposes
-    4 tokens a step; the target verifies them: still transformers' tokens, and nearly
-    every draft accepted (the draft is the target's own argmax)."""
+    4 tokens a step, overlap on; the target verifies them: still transformers' tokens
+    (each of n=3 samples of the last prompt too), and nearly every draft accepted (the
+    draft is the target's own argmax)."""
     copies = 2 if schedule.get("enable_prefix_caching") else 1
     spec_flags = {"num_speculative_tokens": 4, "speculative_model": NAME}
+    params = [GREEDY] * (len(prompts) * copies - 1) + [msgspec.structs.replace(GREEDY, n=3)]
     with LLM(NAME, device="cpu", dtype="float32", **spec_flags, **schedule) as llm:
-        assert llm.runner.draft is not None
-        done = llm.generate(prompts * copies, GREEDY)
+        assert llm.runner.draft is not None and llm.config.overlap_scheduling
+        done = llm.generate(prompts * copies, params)
         spec = llm.scheduler.speculation
         preempted = sum(llm.scheduler.preemptions.values())
     assert [c.token_ids for c in done] == hf_float32 * copies
+    assert [s.token_ids for s in done[-1].samples] == [hf_float32[-1]] * 3
     assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens > 0
     if "num_gpu_blocks" in schedule:
         assert preempted > 0, "the small pool was meant to preempt"
