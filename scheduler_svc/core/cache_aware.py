@@ -74,6 +74,10 @@ class CacheAwareAdmission:
         best, best_hits = None, -1
         for seq in candidates:
             barrier = seq.num_bypassed >= self.max_bypass
+            if seq.num_placeholders:  # preempted with a token in flight: not yet
+                if barrier:
+                    break
+                continue
             if not barrier and self.by_priority and seq.request.priority != priority:
                 continue
             found = kv.find_prefix(seq)
