@@ -83,6 +83,8 @@ class HostPrefixTier:
         device prefix cache; read when it is evicted)."""
         self.pending: list[tuple[int, int]] = []
         """(device block, tier block) copies the next plan must carry."""
+        self._filling: set[int] = set()
+        """Their tier blocks (not to be taken again before the plan carries them)."""
         self.num_demoted = 0
         self.num_dropped = 0
         """Evicted device blocks the tier had no unpinned block for."""
@@ -109,12 +111,13 @@ class HostPrefixTier:
         self.cached[digest] = block
         self._lru[block] = digest
         self.pending.append((device_block, block))
+        self._filling.add(block)
         self.num_demoted += 1
 
     def _take(self) -> int | None:
         if self._empty:
             return self._empty.pop()
-        filling = {block for _, block in self.pending}
+        filling = self._filling
         for block in self._lru:  # the least recently used block no step reads or fills
             if block not in self._pins and block not in filling:
                 del self.cached[self._lru.pop(block)]
@@ -154,6 +157,7 @@ class HostPrefixTier:
 
     def take_pending(self) -> list[tuple[int, int]]:
         pending, self.pending = self.pending, []
+        self._filling.clear()
         return pending
 
     def reset(self) -> None:
@@ -163,6 +167,7 @@ class HostPrefixTier:
         self.cached.clear()
         self._pins.clear()
         self.pending.clear()
+        self._filling.clear()
         self.device_digest = [None] * len(self.device_digest)
 
     def check(self, pinned: list[int]) -> list[str]:

@@ -33,10 +33,19 @@ class SeqQueue:
         return (e[2] for e in sorted(live))
 
     def first(self, count: int) -> list[Sequence]:
-        """The first ``count`` live sequences in queue order (O(n log count))."""
-        live = self._live
-        entries = (e for e in self._heap if live.get(e[2].seq_id) == e[1])
-        return [e[2] for e in heapq.nsmallest(count, entries)]
+        """The first ``count`` live sequences in queue order: a best-first walk down the
+        heap from its root (O(count log count) plus the removed entries met)."""
+        heap, live = self._heap, self._live
+        found: list[Sequence] = []
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier and len(found) < count:
+            entry, index = heapq.heappop(frontier)
+            if live.get(entry[2].seq_id) == entry[1]:
+                found.append(entry[2])
+            for child in (2 * index + 1, 2 * index + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+        return found
 
     def push(self, seq: Sequence) -> None:
         self._ticket += 1

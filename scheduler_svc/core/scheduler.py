@@ -382,7 +382,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         # Resume swapped and admit waiting sequences, in queue order, no overtaking.
         if not preempted_here:
             reserve = self.watermark_blocks + growth_reserve
-            while budget > 0:
+            while budget > 0 and self.num_running_slots < cfg.max_num_seqs:
                 candidate, from_swapped = self._next_candidate()
                 if (
                     candidate is None
