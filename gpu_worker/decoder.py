@@ -54,6 +54,26 @@ class Decoder:
         )
         return out.last_hidden_state[0]
 
+    def run_step(
+        self,
+        tensors: dict[str, torch.Tensor],
+        layer_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: attention.AttentionBackend,
+        plan: Any,
+    ) -> torch.Tensor:
+        """Hidden states of a step from its device tensors (``input_ids``, ``positions``
+        and the attention arrays), over ``layer_caches`` with ``backend``'s ``plan``."""
+        meta = attention.StepMetadata(
+            slot_mapping=tensors["slot_mapping"],
+            block_tables=tensors["block_tables"],
+            seq_lens=tensors["seq_lens"],
+            query_start_loc=tensors["query_start_loc"],
+            layer_caches=layer_caches,
+            backend=backend,
+            plan=plan,
+        )
+        return self.run(tensors["input_ids"], tensors["positions"], meta)
+
     @property
     def vocab_size(self) -> int:
         """Token ids the embedding has rows for."""

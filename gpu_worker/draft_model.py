@@ -187,16 +187,7 @@ class DraftModel:
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
         plan = self.backend.plan(arrays, cache.num_blocks)
         tensors = self.staging.to_device(arrays)
-        meta = attention.StepMetadata(
-            slot_mapping=tensors["slot_mapping"],
-            block_tables=tensors["block_tables"],
-            seq_lens=tensors["seq_lens"],
-            query_start_loc=tensors["query_start_loc"],
-            layer_caches=cache.layer_caches,
-            backend=self.backend,
-            plan=plan,
-        )
-        return self.decoder.run(tensors["input_ids"], tensors["positions"], meta)
+        return self.decoder.run_step(tensors, cache.layer_caches, self.backend, plan)
 
     def _argmax(self, hidden: torch.Tensor, rows: list[int]) -> list[int]:
         if len(rows) != hidden.shape[0]:

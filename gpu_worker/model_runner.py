@@ -318,16 +318,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)
         with ``plan``, the attention backend's for the step."""
-        meta = attention.StepMetadata(
-            slot_mapping=tensors["slot_mapping"],
-            block_tables=tensors["block_tables"],
-            seq_lens=tensors["seq_lens"],
-            query_start_loc=tensors["query_start_loc"],
-            layer_caches=cache.layer_caches,
-            backend=self.attention_backend,
-            plan=plan,
-        )
-        return self.decoder.run(tensors["input_ids"], tensors["positions"], meta)
+        return self.decoder.run_step(tensors, cache.layer_caches, self.attention_backend, plan)
 
     @torch.inference_mode()
     def forward_only(self, inputs: StepInputs) -> torch.Tensor:

@@ -9,7 +9,7 @@ queued after it were admitted in that step.
 from __future__ import annotations
 
 import pytest
-from support.harness import BS, Harness
+from support.harness import BS, Harness, check_outputs
 
 from ipc.schema import SeqStatus
 from scheduler_svc.core.cache_aware import SCAN
@@ -176,12 +176,7 @@ def run_trace(
 
     scheduler.schedule = watched_schedule  # type: ignore[method-assign]
     result = sim.run()
-    for req in TRACE:
-        for index, (seq_id, tokens) in enumerate(sorted(result.outputs[req.id].items())):
-            expected, reason = sim.model.reference_output(
-                req.id, index, len(sim.prompt_of(req)), req.params(), config.max_model_len
-            )
-            assert (tokens, result.seq_finish_reasons[seq_id]) == (expected, reason), seq_id
+    check_outputs(sim, result)
     return sim, oracle, result
 
 

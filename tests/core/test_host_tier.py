@@ -9,7 +9,7 @@ hit on the wrong content fails the run.
 from __future__ import annotations
 
 import pytest
-from support.harness import BS, Harness
+from support.harness import BS, Harness, check_outputs
 
 from scheduler_svc.core.host_tier import block_digest
 from scheduler_svc.core.introspection import snapshot
@@ -107,18 +107,7 @@ def test_a_multi_turn_trace_keeps_every_invariant_with_the_tier(overlap: bool, m
             overlap_scheduling=overlap,
         )
         sim = Simulation(trace, config, verify_kv=True, check_invariants=True, overlap=overlap)
-        result = sim.run()
-        for req in trace:
-            if req.id in result.rejected:
-                continue
-            for index, (seq_id, tokens) in enumerate(sorted(result.outputs[req.id].items())):
-                expected, reason = sim.model.reference_output(
-                    req.id, index, len(sim.prompt_of(req)), req.params(), config.max_model_len
-                )
-                if result.seq_finish_reasons[seq_id] == "abort":
-                    assert tokens == expected[: len(tokens)], seq_id
-                else:
-                    assert (tokens, result.seq_finish_reasons[seq_id]) == (expected, reason)
+        check_outputs(sim, sim.run())
         kv = sim.scheduler.kv
         computed[tier] = kv.queried_tokens - kv.hit_tokens
         if tier:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from support.harness import BS, Harness, restart_worker
+from support.harness import BS, Harness, check_outputs, restart_worker
 
 from ipc.schema import SeqStatus, StepResult
 from scheduler_svc.core.introspection import check_invariants
@@ -76,17 +76,7 @@ def simulate(
         drafted=drafted,
     )
     result = sim.run()
-    for req in TRACE:  # every sample's output is the fake model's (aborted: a prefix)
-        if req.id in result.rejected:
-            continue
-        for index, (seq_id, tokens) in enumerate(sorted(result.outputs[req.id].items())):
-            expected, reason = sim.model.reference_output(
-                req.id, index, len(sim.prompt_of(req)), req.params(), config.max_model_len
-            )
-            if result.seq_finish_reasons[seq_id] == "abort":
-                assert tokens == expected[: len(tokens)], seq_id
-            else:
-                assert (tokens, result.seq_finish_reasons[seq_id]) == (expected, reason), seq_id
+    check_outputs(sim, result)
     return result
 
 

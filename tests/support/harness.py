@@ -17,6 +17,7 @@ from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
+from scheduler_svc.simulator import SimResult, Simulation
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
@@ -159,3 +160,19 @@ def restart_worker(h: Harness) -> None:
         verify_kv=True,
     )
     h.worker.cpu_kv = cpu_kv
+
+
+def check_outputs(sim: Simulation, result: SimResult) -> None:
+    """Every sample of a simulated trace produced the fake model's output and finish
+    reason (an aborted one: a prefix of that output); refused requests produced none."""
+    for req in sim.trace:
+        if req.id in result.rejected:
+            continue
+        for index, (seq_id, tokens) in enumerate(sorted(result.outputs[req.id].items())):
+            expected, reason = sim.model.reference_output(
+                req.id, index, len(sim.prompt_of(req)), req.params(), sim.config.max_model_len
+            )
+            if result.seq_finish_reasons[seq_id] == "abort":
+                assert tokens == expected[: len(tokens)], seq_id
+            else:
+                assert (tokens, result.seq_finish_reasons[seq_id]) == (expected, reason), seq_id
