@@ -173,6 +173,11 @@ def bench(
                 )
             for note in result.notes:
                 out.print(f"{result.target}: {note}", highlight=False, markup=False)
+            out.print(
+                f"{result.target}: at most {result.peak_concurrency} requests generating at once",
+                highlight=False,
+                markup=False,
+            )
     if plot is not None:
         for path in write_plots(results, plot):
             console.print(f"wrote {path}")

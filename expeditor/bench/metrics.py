@@ -180,6 +180,25 @@ class TargetResult(msgspec.Struct, kw_only=True):
     notes: list[str] = []
     total_prompt_tokens: int = 0
     step_ms: StepTimes | None = None
+    peak_concurrency: int = 0
+    """Most requests generating at once: between a request's first token and its finish,
+    as the client saw them (:func:`peak_concurrency`)."""
+
+
+def peak_concurrency(timelines: Iterable[RequestTimeline]) -> int:
+    """The most requests whose first token had come and whose finish had not, at any
+    moment (a request finishing when another's first token comes does not overlap it)."""
+    events = sorted(
+        (time, change)
+        for t in timelines
+        if t.token_times_s
+        for time, change in ((t.token_times_s[0], 1), (t.finish_s, -1))
+    )  # at equal times the finish (-1) sorts first
+    peak = current = 0
+    for _, change in events:
+        current += change
+        peak = max(peak, current)
+    return peak
 
 
 def compute_result(
@@ -255,4 +274,5 @@ def compute_result(
         notes=notes,
         total_prompt_tokens=total_prompt,
         step_ms=step_times,
+        peak_concurrency=peak_concurrency(timelines),
     )

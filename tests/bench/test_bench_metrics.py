@@ -16,6 +16,7 @@ from expeditor.bench.metrics import (
     e2e,
     itls,
     kv_stats,
+    peak_concurrency,
     tpot,
     ttft,
 )
@@ -140,8 +141,22 @@ def test_compute_result() -> None:
     assert result.preemptions == {"swap": 2, "recompute": 1}
     assert result.prefix_cache_hit_rate == 0.5
     assert result.notes == []
+    assert result.peak_concurrency == 1  # a, b and c never generate at the same time
     encoded = msgspec.json.decode(msgspec.json.encode(result), type=TargetResult)
     assert encoded == result
+
+
+def test_peak_concurrency_counts_requests_generating_at_once() -> None:
+    timelines = [
+        _timeline("a", 0.0, [1.0, 2.0], 5.0),  # generating over 1-5
+        _timeline("b", 0.0, [2.0, 3.0], 4.0),  # 2-4
+        _timeline("c", 0.0, [3.5], 6.0),  # 3.5-6: a, b and c at 3.5-4
+        _timeline("d", 0.0, [6.0], 7.0),  # starts as c finishes: no overlap
+        _timeline("e", 0.0, [], 9.0),  # no tokens: never generating
+    ]
+    assert peak_concurrency(timelines) == 3
+    assert peak_concurrency(timelines[3:]) == 1
+    assert peak_concurrency([]) == 0
 
 
 def test_compute_result_explicit_duration_and_workload_object() -> None:
