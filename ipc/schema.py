@@ -302,8 +302,9 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     host_hit_tokens: int = 0
     """Of them, copied back from the host tier."""
     host_blocks: int = 0
-    """Host tier blocks (``prefix_cache_cpu_blocks``) and how many hold a prefix block."""
+    """Blocks of the host tier (``prefix_cache_cpu_blocks``; 0: no tier)."""
     host_cached_blocks: int = 0
+    """Of them, those holding a prefix block now."""
 
     @property
     def hit_rate(self) -> float:

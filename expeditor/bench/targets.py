@@ -217,6 +217,7 @@ def run_inprocess(
     workload: Workload, model: Path, config: dict[str, Any], device: str, on_done: OnDone
 ) -> TargetRun:
     from expeditor.llm import LLM
+    from scheduler_svc.core.introspection import snapshot
     from shared.sampling import SamplingParams
 
     with LLM(model, device=device, **config) as llm:
@@ -288,7 +289,8 @@ def run_inprocess(
                 sched.speculation.num_draft_tokens,
                 sched.speculation.num_accepted_tokens,
                 sched.step,
-            ),
+            )
+            + prefix_cache_notes(snapshot(sched).prefix_cache),
         )
 
 

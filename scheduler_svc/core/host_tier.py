@@ -129,10 +129,9 @@ class HostPrefixTier:
         ``stop``), as far as the tier has them in a row."""
         if start >= stop or not self._lru:
             return []
-        digests = sequence_digests(seq, stop, block_size)
         found = []
-        for index in range(start, stop):
-            block = self.cached.get(digests[index])
+        for index in range(start, stop):  # digests only as far as the walk goes
+            block = self.cached.get(sequence_digests(seq, index + 1, block_size)[index])
             if block is None:
                 break
             found.append(block)

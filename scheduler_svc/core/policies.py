@@ -247,9 +247,15 @@ class PreemptionCostModel:
             swap_overhead_s=config.swap_overhead_ms / 1e3,
         )
 
+    def copy_seconds(self, num_blocks: int) -> float:
+        """Moving ``num_blocks`` blocks one way over the host link, overhead included."""
+        return self.swap_overhead_s + (
+            num_blocks * self.kv_bytes_per_block / self.swap_bandwidth_bytes_per_s
+        )
+
     def swap_seconds(self, num_blocks: int) -> float:
-        copied = 2 * num_blocks * self.kv_bytes_per_block
-        return self.swap_overhead_s + copied / self.swap_bandwidth_bytes_per_s
+        """Out and back in."""
+        return self.copy_seconds(2 * num_blocks)
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
@@ -257,10 +263,7 @@ class PreemptionCostModel:
     def copy_in_pays(self, num_blocks: int, block_size: int) -> bool:
         """Whether copying ``num_blocks`` prefix blocks in from the host tier (one way)
         beats computing their tokens again."""
-        copy_s = self.swap_overhead_s + num_blocks * self.kv_bytes_per_block / (
-            self.swap_bandwidth_bytes_per_s
-        )
-        return copy_s < self.recompute_seconds(num_blocks * block_size)
+        return self.copy_seconds(num_blocks) < self.recompute_seconds(num_blocks * block_size)
 
     def choose(self, seq: Sequence, cpu_free_blocks: int) -> PreemptionMode:
         num_blocks = len(seq.block_table)
