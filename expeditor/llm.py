@@ -49,6 +49,7 @@ ENGINE_SERVER_FIELDS = (
     "cuda_graphs",
     "model_impl",
     "speculative_model",
+    "kv_cache_dtype",
 )
 """The ``[server]`` fields ``LLM`` takes as keywords (the others are about daemons,
 sockets and tensor-parallel groups, which an in-process engine has none of)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.tensor_parallel import check_tp_supported, shard_model
+
+if TYPE_CHECKING:
+    from gpu_worker.kv_cache import KVCache
 
 __all__ = ["Decoder", "load_decoder"]
 
@@ -57,18 +60,19 @@ class Decoder:
     def run_step(
         self,
         tensors: dict[str, torch.Tensor],
-        layer_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cache: KVCache,
         backend: attention.AttentionBackend,
         plan: Any,
     ) -> torch.Tensor:
         """Hidden states of a step from its device tensors (``input_ids``, ``positions``
-        and the attention arrays), over ``layer_caches`` with ``backend``'s ``plan``."""
+        and the attention arrays), over ``cache`` with ``backend``'s ``plan``."""
         meta = attention.StepMetadata(
             slot_mapping=tensors["slot_mapping"],
             block_tables=tensors["block_tables"],
             seq_lens=tensors["seq_lens"],
             query_start_loc=tensors["query_start_loc"],
-            layer_caches=layer_caches,
+            layer_caches=cache.layer_caches,
+            layer_scales=cache.layer_scales,
             backend=backend,
             plan=plan,
         )

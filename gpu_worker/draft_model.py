@@ -72,6 +72,7 @@ class DraftModel:
         block_size: int,
         target_vocab_size: int,
         model_impl: str,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.device = device
@@ -92,6 +93,7 @@ class DraftModel:
             head_dim=head_dim,
             block_size=block_size,
             dtype=dtype,
+            kv_dtype=kv_dtype,
         )
         self.backend, _ = attention.choose_backend(device, self.layout, config.num_attention_heads)
         self.staging = Staging(device)
@@ -187,7 +189,7 @@ class DraftModel:
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
         plan = self.backend.plan(arrays, cache.num_blocks)
         tensors = self.staging.to_device(arrays)
-        return self.decoder.run_step(tensors, cache.layer_caches, self.backend, plan)
+        return self.decoder.run_step(tensors, cache, self.backend, plan)
 
     def _argmax(self, hidden: torch.Tensor, rows: list[int]) -> list[int]:
         if len(rows) != hidden.shape[0]:

@@ -5,7 +5,10 @@ head_dim]`` (2 = key, value), so a block, all layers of it, is one contiguous ru
 ``bytes_per_block`` bytes. The swap pool (a shared-memory segment) is viewed with the
 same per-block shape, ``[num_cpu_blocks, num_layers, 2, ...]``: swapping a block is one
 contiguous copy, and a batch of them is a device-side gather or scatter plus copies of
-contiguous runs between device and host.
+contiguous runs between device and host. A quantized cache (``kv_dtype``,
+:mod:`gpu_worker.kv_quant`) stores each block as bytes: its 8-bit codes, then their
+float16 scales, viewed as ``[num_blocks, num_layers, 2, ...]`` codes and
+``[num_blocks, num_layers, 2, block_size, num_kv_heads]`` scales.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from gpu_worker.kernels import copy_blocks, scatter_blocks
+from gpu_worker.kv_quant import SCALE_DTYPE
 from gpu_worker.staging import Staging
 from shared.swap_pool import SwapPoolSegment
 
@@ -29,17 +33,56 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    """The model's dtype (queries, outputs; the K/V too unless ``kv_dtype``)."""
+    kv_dtype: torch.dtype | None = None
+    """The K/V codes' 8-bit dtype of a quantized cache (None: K/V in ``dtype``)."""
 
     @property
     def block_shape(self) -> tuple[int, ...]:
+        """A block's K/V values (codes when quantized)."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """A quantized block's scales: one per row of ``head_dim`` codes."""
+        return self.block_shape[:-1]
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """A block as stored: its values, or a quantized block's bytes."""
+        return self.block_shape if self.kv_dtype is None else (self.bytes_per_block,)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else torch.uint8
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of a block's K/V values (codes when quantized)."""
+        return _numel(self.block_shape) * (self.kv_dtype or self.dtype).itemsize
+
+    @property
     def bytes_per_block(self) -> int:
-        numel = 1
-        for dim in self.block_shape:
-            numel *= dim
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        if self.kv_dtype is None:
+            return self.code_bytes
+        return self.code_bytes + _numel(self.scale_shape) * SCALE_DTYPE.itemsize
+
+    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``storage`` [n, *storage_shape] as (values [n, *block_shape], scales [n,
+        *scale_shape] or None when not quantized)."""
+        if self.kv_dtype is None:
+            return storage, None
+        n, cut = storage.shape[0], self.code_bytes
+        codes = storage[:, :cut].view(self.kv_dtype).view(n, *self.block_shape)
+        scales = storage[:, cut:].view(SCALE_DTYPE).view(n, *self.scale_shape)
+        return codes, scales
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel
 
 
 SWAP_STAGING_BYTES = 128 * 2**20
@@ -96,14 +139,26 @@ class KVCache:
         self.staging = staging or Staging(device)
         self.num_blocks = num_blocks
         self.device = device
-        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
-        self.layer_caches = [
-            (self.kv[:, layer, 0], self.kv[:, layer, 1]) for layer in range(layout.num_layers)
-        ]
+        self.kv = torch.zeros(
+            (num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device
+        )
+        """The blocks as stored (what swap and copy-on-write move)."""
+        values, scales = layout.views(self.kv)
+        layers = range(layout.num_layers)
+        self.layer_caches = [(values[:, layer, 0], values[:, layer, 1]) for layer in layers]
+        """Per layer: (key, value) [blocks, block_size, kv_heads, head_dim] (codes when
+        quantized)."""
+        self.layer_scales = (
+            None
+            if scales is None
+            else [(scales[:, layer, 0], scales[:, layer, 1]) for layer in layers]
+        )
+        """Per layer of a quantized cache: (key, value) scales [blocks, block_size,
+        kv_heads]; None otherwise."""
         self.cpu_pool: torch.Tensor | None = None
         self._swap_staging: torch.Tensor | None = None
         self._pinned = False
-        self._staging = torch.empty(0, dtype=layout.dtype)
+        self._staging = torch.empty(0, dtype=layout.storage_dtype)
         if swap_pool is not None:
             self.attach_swap_pool(swap_pool)
 
@@ -118,7 +173,8 @@ class KVCache:
             count=num_cpu_blocks * bpb,
             offset=rank * num_cpu_blocks * bpb,
         )
-        self.cpu_pool = raw.view(self.layout.dtype).view(num_cpu_blocks, *self.layout.block_shape)
+        layout = self.layout
+        self.cpu_pool = raw.view(layout.storage_dtype).view(num_cpu_blocks, *layout.storage_shape)
         if self.device.type == "cuda":
             # Pin the mapped pages so device<->host copies run as DMA.
             cudart = torch.cuda.cudart()
@@ -131,8 +187,8 @@ class KVCache:
 
     def _new_swap_staging(self) -> torch.Tensor:
         return torch.empty(
-            (swap_staging_blocks(self.layout), *self.layout.block_shape),
-            dtype=self.layout.dtype,
+            (swap_staging_blocks(self.layout), *self.layout.storage_shape),
+            dtype=self.layout.storage_dtype,
             device=self.device,
         )
 
@@ -238,7 +294,7 @@ class KVCache:
                     dst_flat.index_copy_(0, other, src_flat[first : first + b - a])
             return
         if self._staging.numel() < len(pairs) * rows:
-            self._staging = torch.empty(len(pairs) * rows, dtype=self.layout.dtype)
+            self._staging = torch.empty(len(pairs) * rows, dtype=self.layout.storage_dtype)
         staged = self._staging[: len(pairs) * rows].view(len(pairs), rows)
         torch.index_select(src_flat, 0, table[:, 0], out=staged)
         dst_flat.index_copy_(0, table[:, 1], staged)

@@ -28,6 +28,7 @@ from gpu_worker.draft_model import DraftModel, check_same_vocabulary
 from gpu_worker.dtype import resolve_dtype
 from gpu_worker.event_clock import EventClock
 from gpu_worker.kv_cache import KVCache, KVLayout, swap_staging_blocks
+from gpu_worker.kv_quant import kv_storage_dtype
 from gpu_worker.lean_model import LeanDecoder
 from gpu_worker.logits_shaping import History, bad_word_bans
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
@@ -155,6 +156,7 @@ class ModelRunner:
             head_dim=head_dim,
             block_size=block_size,
             dtype=self.dtype,
+            kv_dtype=kv_storage_dtype(settings.server.kv_cache_dtype),
         )
         self.attention_backend, _ = attention.choose_backend(device, self.layout, self.num_heads)
         """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
@@ -172,13 +174,14 @@ class ModelRunner:
             self.draft = DraftModel(
                 draft_dir, device=device, dtype=dtype, block_size=block_size,
                 target_vocab_size=self.vocab_size, model_impl=model_impl,
+                kv_dtype=self.layout.kv_dtype,
             )  # fmt: skip
         num_gpu_blocks = limits.num_gpu_blocks
         if num_gpu_blocks is None and device.type != "cuda":
-            num_gpu_blocks = (
-                DEFAULT_CPU_BLOCKS * 4 // self.dtype.itemsize
-                * self.layout.bytes_per_block // self.block_bytes
-            )  # fmt: skip
+            float32_block = (
+                self.layout.code_bytes * 4 // (self.layout.kv_dtype or self.dtype).itemsize
+            )
+            num_gpu_blocks = DEFAULT_CPU_BLOCKS * float32_block // self.block_bytes
         elif num_gpu_blocks is None:
             num_gpu_blocks = self._profile_num_blocks(
                 limits.max_num_batched_tokens,
@@ -318,7 +321,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model over the step's device tensors (:data:`gpu_worker.cuda_graphs.INPUTS`)
         with ``plan``, the attention backend's for the step."""
-        return self.decoder.run_step(tensors, cache.layer_caches, self.attention_backend, plan)
+        return self.decoder.run_step(tensors, cache, self.attention_backend, plan)
 
     @torch.inference_mode()
     def forward_only(self, inputs: StepInputs) -> torch.Tensor:

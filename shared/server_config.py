@@ -36,6 +36,7 @@ def _seconds(description: str) -> Meta:
 
 ModelImpl = Literal["auto", "transformers"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
 
 
 class ModelConfig(Settings, frozen=True):
@@ -68,6 +69,16 @@ class ModelConfig(Settings, frozen=True):
             description="Weights' and KV cache's dtype: auto = bfloat16 on CUDA and on "
             "CPUs with AVX-512 BF16 or AMX, float32 elsewhere (the sampler computes in "
             "float32 always)."
+        ),
+    ] = "auto"
+    kv_cache_dtype: Annotated[
+        KVCacheDtype,
+        Meta(
+            description="KV cache's storage: auto = the model's dtype; int8, fp8_e4m3 or "
+            "fp8_e5m2 = 8-bit codes with a float16 scale per token and KV head (about "
+            "twice the tokens per byte of a 16-bit cache; the attention reads them "
+            "dequantized). A quantized cache attends through the torch backend (the native "
+            "CPU and Triton kernels read the model's dtype only).",
         ),
     ] = "auto"
     gpu_memory_utilization: Annotated[

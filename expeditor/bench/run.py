@@ -24,6 +24,7 @@ SERVE_OPTIONS = (
     "model_impl",
     "cuda_graphs",
     "speculative_model",
+    "kv_cache_dtype",
 )
 """[server] settings the expeditor target takes in its brackets (passed to serve)."""
 SERVE_KEY = "serve"

@@ -63,10 +63,14 @@ class StepMetadata:
     query_start_loc: torch.Tensor
     """[seqs + 1] int32: where each sequence's rows start in the packed batch."""
     layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer: (key cache, value cache) [blocks, block_size, kv_heads, head_dim] views."""
+    """Per layer: (key cache, value cache) [blocks, block_size, kv_heads, head_dim] views
+    (8-bit codes in a quantized cache)."""
     backend: AttentionBackend
     plan: Any
     """What ``backend.plan`` made of the step."""
+    layer_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per layer of a quantized cache (:mod:`gpu_worker.kv_quant`): (key, value) scales
+    [blocks, block_size, kv_heads]; None when K/V are stored in the model's dtype."""
     checked: bool = False
     """The step's shapes passed ``check_args`` (its first layer checks them)."""
 
@@ -148,13 +152,16 @@ def choose_backend(
     """The worker's backend and why (logged): Triton on CUDA (or anywhere with
     ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
     native kernel for float32 on a CPU unless ``EXPEDITOR_NATIVE_CPU=0``, the kernel's
-    limits or a failed build say otherwise, else torch. Read once, at start-up."""
+    limits or a failed build say otherwise, else torch -- and torch for a quantized
+    cache (``kv_dtype``), which neither kernel reads yet. Read once, at start-up."""
     from gpu_worker.attention import native_backend, torch_backend
 
     device = torch.device(device)
     forced = env.get("EXPEDITOR_FORCE_TRITON") == "1"
     backend: AttentionBackend | None = None
-    if forced or device.type == "cuda":
+    if layout.kv_dtype is not None:  # the kernels read K/V in the model's dtype
+        reason = f"a {layout.kv_dtype} KV cache: dequantized on load by the torch backend"
+    elif forced or device.type == "cuda":
         from gpu_worker.attention import triton_backend
 
         why = triton_backend.unusable(device)

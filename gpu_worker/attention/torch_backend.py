@@ -9,7 +9,9 @@ prompt, all of whose keys are this step's, reads the step's own rows instead), a
 attends with one call: SDPA (float32 accumulation; its own causal mask for a whole
 prompt that no window cuts), or explicit float32 scores with soft-capping, which SDPA
 cannot apply. Slots past a context may hold anything, even NaN, which a mask would not
-hide: the gathered copies zero them.
+hide: the gathered copies zero them. In a quantized cache (:mod:`gpu_worker.kv_quant`)
+a layer stores codes and scales, and attends over the gathered blocks dequantized (a
+whole prompt over its own rows quantized and dequantized, as a cache read gives them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
 from gpu_worker.kernels.attention_args import AttentionParams, check_args, layer_params
+from gpu_worker.kv_quant import dequantize, quantize
 
 GROUP_ELEMENTS = 1 << 23
 """Bound on a decode group's gathered K elements (unless one sequence alone is more)."""
@@ -101,9 +104,17 @@ def plan_groups(
 
 
 def attend_group(
-    g: Group, out: Tensor, q: Tensor, k: Tensor, v: Tensor, caches: Caches, p: AttentionParams
+    g: Group,
+    out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    caches: Caches,
+    p: AttentionParams,
+    scales: Caches | None = None,
 ) -> None:
-    """One group's attention into its rows of ``out`` (the layer's new K/V stored)."""
+    """One group's attention into its rows of ``out`` (the layer's new K/V stored;
+    ``scales``: a quantized cache's, whose ``caches`` hold codes)."""
     (key_cache, value_cache), (n, m) = caches, g.rows.shape
     rows = g.rows.view(-1)
     if g.blocks is None:
@@ -111,6 +122,11 @@ def attend_group(
     else:
         shape = (n, g.keys, *key_cache.shape[2:])
         keys, values = key_cache[g.blocks].view(shape), value_cache[g.blocks].view(shape)
+        if scales is not None:
+            keys, values = (
+                dequantize(codes, scale[g.blocks].view(shape[:-1]), q.dtype)
+                for codes, scale in ((keys, scales[0]), (values, scales[1]))
+            )
         if g.stale is not None:
             keys, values = keys.masked_fill_(g.stale, 0.0), values.masked_fill_(g.stale, 0.0)
     query = q.index_select(0, rows).view(n, m, *q.shape[1:])
@@ -168,12 +184,20 @@ class TorchBackend(AttentionBackend):
     ) -> Tensor:
         step: TorchStep = meta.plan
         key_cache, value_cache = caches = meta.layer_caches[layer]
-        kept_k, kept_v = (x if step.stored is None else x[step.stored] for x in (k, v))
-        key_cache.index_put_(step.store, kept_k.to(key_cache.dtype))
-        value_cache.index_put_(step.store, kept_v.to(value_cache.dtype))
+        scales = None if meta.layer_scales is None else meta.layer_scales[layer]
+        if scales is not None:  # codes and scales stored; attended as a read gives them
+            (k_codes, k_scale), (v_codes, v_scale) = (quantize(x, key_cache.dtype) for x in (k, v))
+            stores = [(key_cache, k_codes), (value_cache, v_codes)]
+            stores += [(scales[0], k_scale), (scales[1], v_scale)]
+            k, v = dequantize(k_codes, k_scale, q.dtype), dequantize(v_codes, v_scale, q.dtype)
+        else:
+            stores = [(key_cache, k), (value_cache, v)]
+        for cache, rows in stores:
+            kept = rows if step.stored is None else rows[step.stored]
+            cache.index_put_(step.store, kept.to(cache.dtype))
         out = torch.zeros_like(q)
         for g in step.groups:
-            attend_group(g, out, q, k, v, caches, p)
+            attend_group(g, out, q, k, v, caches, p, scales)
         return out
 
 

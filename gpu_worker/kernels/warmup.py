@@ -35,6 +35,7 @@ class CacheLayout(Protocol):
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None
 
 
 def warm_up(

@@ -205,7 +205,7 @@ def test_scale_defaults_to_head_dim() -> None:
 
 def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = torch.zeros(3, 2, 2, 4, 2, 16)
-    layout = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+    layout = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=None)
     cpu = torch.device("cpu")
     for dtype, env, name, why in [
         (torch.float32, {"EXPEDITOR_NATIVE_CPU": "0"}, "torch", "EXPEDITOR_NATIVE_CPU=0"),
@@ -220,6 +220,10 @@ def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     wide = SimpleNamespace(**{**vars(layout), "head_dim": 264}, dtype=torch.float32)
     backend, reason = attention.choose_backend(cpu, wide, 4, {})
     assert backend.name == "torch" and "beyond" in reason
+    for env in ({}, {"EXPEDITOR_FORCE_TRITON": "1"}):  # neither kernel reads 8-bit codes
+        int8 = SimpleNamespace(**{**vars(layout), "kv_dtype": torch.int8}, dtype=torch.float32)
+        backend, reason = attention.choose_backend(cpu, int8, 4, env)
+        assert backend.name == "torch" and "torch.int8 KV cache" in reason
     assert backend_for("native", kv, 4).name == "native"
 
 

@@ -330,7 +330,9 @@ def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
     assert not meta.plan.caches_checked  # refused steps leave the check to be made
     assert backend.forward(meta, 0, q, k, v, layer_params(0.25, None, None)).shape == q.shape
     assert meta.plan.caches_checked  # once per step: the other layers' caches share it
-    layout = SimpleNamespace(num_layers=2, num_kv_heads=2, block_size=4, dtype=torch.float32)
+    layout = SimpleNamespace(
+        num_layers=2, num_kv_heads=2, block_size=4, dtype=torch.float32, kv_dtype=None
+    )
     cpu = torch.device("cpu")
     for head_dim, ok in ((256, True), (264, False)):
         kernels, why = native_backend.load(
@@ -384,7 +386,9 @@ def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not (tmp_path / "kernels").exists()
     native_backend._loaded.cache_clear()
     try:  # the torch backend runs instead, and says why
-        layout = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+        layout = SimpleNamespace(
+            num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=None
+        )
         backend, why = attention.choose_backend(
             torch.device("cpu"), SimpleNamespace(**vars(layout), dtype=torch.float32), 4, {}
         )

@@ -211,7 +211,7 @@ def backend_for(name: str, kv: torch.Tensor, num_heads: int) -> attention.Attent
     the native kernel with its AVX-512 tiles off (its vector-at-a-time loops)."""
     layout = SimpleNamespace(
         num_layers=kv.shape[1], num_kv_heads=kv.shape[4], head_dim=kv.shape[5],
-        block_size=kv.shape[3], dtype=kv.dtype,
+        block_size=kv.shape[3], dtype=kv.dtype, kv_dtype=None,
     )  # fmt: skip
     kind = name.removesuffix("-vectors")
     env = {"native": {}, "torch": {"EXPEDITOR_NATIVE_CPU": "0"}}

@@ -13,11 +13,24 @@ from shared.swap_pool import SwapPoolSegment
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 LARGE = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, block_size=32, dtype=torch.float16)
+SMALL_INT8 = KVLayout(
+    num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32, kv_dtype=torch.int8
+)
+LARGE_FP8 = KVLayout(
+    num_layers=4, num_kv_heads=8, head_dim=64, block_size=32, dtype=torch.bfloat16,
+    kv_dtype=torch.float8_e4m3fn,
+)  # fmt: skip
+LAYOUTS = {"small-blocks": SMALL, "large-blocks": LARGE, "small-int8": SMALL_INT8}
+LAYOUTS["large-fp8"] = LARGE_FP8
 
 
 def filled(layout: KVLayout, num_blocks: int, segment: SwapPoolSegment) -> KVCache:
     cache = KVCache(layout, num_blocks, torch.device("cpu"), segment)
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
+    g = torch.Generator().manual_seed(0)
+    if layout.kv_dtype is None:
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    else:  # a quantized cache's bytes: codes and scales alike
+        cache.kv.copy_(torch.randint(0, 256, cache.kv.shape, generator=g, dtype=torch.uint8))
     return cache
 
 
@@ -30,7 +43,7 @@ PAIRINGS = {
 }
 
 
-@pytest.mark.parametrize("layout", [SMALL, LARGE], ids=["small-blocks", "large-blocks"])
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("pairing", list(PAIRINGS))
 def test_swap_out_then_in_restores_every_byte(layout: KVLayout, pairing: str) -> None:
     with SwapPoolSegment.create(40, layout.bytes_per_block) as segment:

@@ -1,0 +1,94 @@
+"""The quantized KV cache through the engine on the tiny architectures: a schedule never
+changes what a quantized cache answers (every read decodes the same codes: chunked
+prefill, prefix hits, swap and recompute give the default schedule's tokens), and its
+logprobs stay near those of the model's dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from support.hf_reference import PROMPTS
+
+from expeditor.llm import LLM
+from scheduler_svc.core.introspection import check_invariants
+from shared.sampling import SamplingParams
+
+NEW_TOKENS = 10
+SCENARIOS: dict[str, dict[str, object]] = {
+    "chunked-prefix": {
+        "block_size": 4,
+        "num_gpu_blocks": 256,
+        "max_num_batched_tokens": 12,
+        "enable_prefix_caching": True,
+    },
+    "swap": {
+        "block_size": 4,
+        "num_gpu_blocks": 24,
+        "num_cpu_blocks": 256,
+        "max_num_batched_tokens": 64,
+        "preemption_mode": "swap",
+        "watermark": 0.0,
+    },
+    "recompute": {
+        "block_size": 4,
+        "num_gpu_blocks": 24,
+        "max_num_batched_tokens": 64,
+        "preemption_mode": "recompute",
+        "watermark": 0.0,
+    },
+}
+TINY_LOGPROB = 0.25
+"""How far an int8 cache's prompt logprobs may be from float32's on the tiny random
+models (measured: at most 0.11)."""
+
+
+def run(checkpoint: Path, kv_cache_dtype: str, **config: object) -> tuple[list, LLM]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=1)
+    prompts = [*PROMPTS, PROMPTS[0] + PROMPTS[1]]  # a shared prefix for the prefix cache
+    llm = LLM(
+        checkpoint, device="cpu", dtype=torch.float32, max_model_len=128,
+        kv_cache_dtype=kv_cache_dtype, **config,
+    )  # fmt: skip
+    return llm.generate(prompts, greedy), llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_every_schedule_answers_as_the_default_one(
+    tiny_checkpoint: Callable[[str], Path], arch: str, kv_cache_dtype: str
+) -> None:
+    checkpoint = tiny_checkpoint(arch)
+    want, llm = run(checkpoint, kv_cache_dtype)
+    assert llm.runner.attention_backend.name == "torch"
+    llm.close()
+    for name, config in SCENARIOS.items():
+        done, llm = run(checkpoint, kv_cache_dtype, **config)
+        with llm:
+            assert [c.token_ids for c in done] == [c.token_ids for c in want], name
+            assert check_invariants(llm.scheduler) == []
+            if name != "chunked-prefix":
+                assert llm.scheduler.preemptions[name] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_int8_prompt_logprobs_are_close_to_float32(
+    tiny_checkpoint: Callable[[str], Path], arch: str
+) -> None:
+    checkpoint = tiny_checkpoint(arch)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    got = {}
+    for dtype in ("auto", "int8"):
+        with LLM(checkpoint, device="cpu", dtype=torch.float32, kv_cache_dtype=dtype) as llm:
+            got[dtype] = llm.generate(PROMPTS, params)
+    gaps = [
+        abs(a[tok] - b[tok])
+        for x, y in zip(got["auto"], got["int8"], strict=True)
+        for a, b, tok in zip(
+            x.prompt_logprobs.entries, y.prompt_logprobs.entries, x.prompt_token_ids[1:],
+            strict=True,
+        )
+    ]  # fmt: skip
+    assert len(gaps) > 20 and 0 < max(gaps) < TINY_LOGPROB

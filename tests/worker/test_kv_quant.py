@@ -1,0 +1,134 @@
+"""The quantized KV cache: codes and scales, the block as bytes, and the torch backend's
+attention over it against the reference over the dequantized cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.attention import StepMetadata
+from gpu_worker.attention.torch_backend import TorchBackend, paged_attention_ref
+from gpu_worker.kernels.attention_args import layer_params
+from gpu_worker.kv_cache import KVCache, KVLayout
+from gpu_worker.kv_quant import KV_CACHE_DTYPES, MIN_SCALE, dequantize, kv_storage_dtype, quantize
+
+CODES = list(KV_CACHE_DTYPES.values())
+MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+SUBNORMAL_STEP = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
+
+
+@pytest.mark.parametrize("dtype", CODES, ids=str)
+def test_each_row_decodes_within_its_codes_rounding(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((50, 4, 64), generator=g) * torch.rand((50, 4, 1), generator=g) * 10
+    x[3, 1] = 0.0  # an all-zero row
+    x[7, 2, 5] = 1e4  # an outlier widens its own row's scale only
+    codes, scale = quantize(x, dtype)
+    assert codes.dtype == dtype and scale.dtype == torch.float16 and scale.shape == (50, 4)
+    back = dequantize(codes, scale, torch.float32)
+    err, step = (back - x).abs(), scale.float()[..., None]
+    if dtype == torch.int8:
+        assert (err <= step / 2 + 1e-6 * x.abs()).all()
+    else:  # the nearest float8: relative rounding, subnormals in steps of the scale
+        bound = x.abs() * 2.0 ** -(MANTISSA_BITS[dtype] + 1) + step * SUBNORMAL_STEP[dtype]
+        assert (err <= bound * (1 + 1e-5)).all()
+    assert torch.equal(back[3, 1], torch.zeros(64)) and scale[3, 1].item() == MIN_SCALE
+    assert torch.equal(quantize(x[7, :1], dtype)[1], scale[7, :1])  # the row's own scale
+    assert back[7, 2, 5] == pytest.approx(1e4, rel=2.0**-3)
+
+
+def test_a_quantized_block_is_codes_then_scales_in_one_run() -> None:
+    shape = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
+    bf16 = KVLayout(**shape, dtype=torch.bfloat16)
+    int8 = KVLayout(**shape, dtype=torch.bfloat16, kv_dtype=torch.int8)
+    rows = 3 * 2 * 16 * 2
+    assert bf16.bytes_per_block == rows * 128 and int8.bytes_per_block == rows * (64 + 2)
+    assert bf16.bytes_per_block / int8.bytes_per_block == pytest.approx(1.94, abs=0.01)
+    cache = KVCache(int8, 5, torch.device("cpu"))
+    assert cache.kv.shape == (5, int8.bytes_per_block) and cache.kv.dtype == torch.uint8
+    assert cache.layer_scales is not None
+    key, value = cache.layer_caches[2]
+    key_scale, _ = cache.layer_scales[2]
+    assert key.shape == (5, 16, 2, 64) and key.dtype == torch.int8
+    key[4, 3, 1, 7] = -5
+    key_scale[4, 3, 1] = 0.5
+    raw = cache.kv[4]  # both live in block 4's bytes, nowhere else
+    codes = raw[: int8.code_bytes].view(torch.int8).view(int8.block_shape)
+    scales = raw[int8.code_bytes :].view(torch.float16).view(int8.scale_shape)
+    assert codes[2, 0, 3, 1, 7] == -5 and scales[2, 0, 3, 1] == 0.5
+    assert int(cache.kv[:4].count_nonzero()) == 0
+    assert value.data_ptr() == key.data_ptr() + 16 * 2 * 64
+
+
+def test_the_setting_names_the_codes() -> None:
+    assert kv_storage_dtype("auto") is None and kv_storage_dtype("int8") == torch.int8
+    with pytest.raises(ValueError, match="'int4' is not one of auto, int8, fp8_e4m3"):
+        kv_storage_dtype("int4")
+
+
+SEQS = [(9, 1), (6, 6), (13, 3), (4, 1), (21, 1)]
+"""(keys after the step, new rows): decodes, a whole prompt, a chunk after a prefix."""
+
+
+@pytest.mark.parametrize("dtype", CODES, ids=str)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
+def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
+    dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    bs, kv_heads, heads, dim = 4, 2, 4, 16
+    layout = KVLayout(
+        num_layers=2, num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
+        dtype=torch.float32, kv_dtype=dtype,
+    )  # fmt: skip
+    needed = [-(-n // bs) for n, _ in SEQS]
+    cache = KVCache(layout, sum(needed) + 2, torch.device("cpu"))
+    perm = torch.randperm(cache.num_blocks, generator=g)
+    tables = np.zeros((len(SEQS), max(needed)), dtype=np.int32)
+    slots: list[int] = []
+    used = 0
+    for s, (n, new) in enumerate(SEQS):
+        tables[s, : needed[s]] = perm[used : used + needed[s]]
+        used += needed[s]
+        slots += [int(tables[s, p // bs]) * bs + p % bs for p in range(n - new, n)]
+    values, scales = layout.views(cache.kv)
+    assert scales is not None
+    codes, scale = quantize(torch.randn(values.shape, generator=g), dtype)  # the cached keys
+    values.copy_(codes)
+    scales.copy_(scale)
+    q_lens = [new for _, new in SEQS]
+    arrays = {
+        "slot_mapping": np.array(slots, dtype=np.int64),
+        "block_tables": tables,
+        "seq_lens": np.array([n for n, _ in SEQS], dtype=np.int32),
+        "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+    }
+    backend = TorchBackend(layout, heads, torch.device("cpu"))
+    meta = StepMetadata(
+        **{name: torch.from_numpy(a) for name, a in arrays.items()},
+        layer_caches=cache.layer_caches,
+        backend=backend,
+        plan=backend.plan(arrays, cache.num_blocks),
+        layer_scales=cache.layer_scales,
+    )
+    tokens = len(slots)
+    q = torch.randn((tokens, heads, dim), generator=g)
+    k, v = (torch.randn((tokens, kv_heads, dim), generator=g) for _ in range(2))
+    p = layer_params(dim**-0.5, window, softcap)
+    out = backend.forward(meta, 1, q, k, v, p)
+    (key, value), (key_scale, value_scale) = cache.layer_caches[1], cache.layer_scales[1]
+    slot = torch.tensor(slots)
+    stored = dequantize(key[slot // bs, slot % bs], key_scale[slot // bs, slot % bs], k.dtype)
+    assert torch.equal(stored, dequantize(*quantize(k, dtype), torch.float32))
+    decoded = (
+        dequantize(key, key_scale, torch.float32),
+        dequantize(value, value_scale, torch.float32),
+    )
+    want = paged_attention_ref(
+        q, *decoded, meta.block_tables, meta.seq_lens, meta.query_start_loc, p.scale,
+        window=window, softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    other = dequantize(cache.layer_caches[0][0], cache.layer_scales[0][0], torch.float32)
+    assert torch.equal(other, dequantize(codes[:, 0, 0], scale[:, 0, 0], torch.float32))
