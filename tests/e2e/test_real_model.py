@@ -200,7 +200,28 @@ def test_a_quantized_kv_cache_is_logprob_close(
     checkpoint: Path, prompts: list[list[int]], kv_cache_dtype: str, tie: float, tolerance: float
 ) -> None:
     """float32 weights over an 8-bit cache against transformers in float32."""
-    with LLM(NAME, dtype="float32", kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=1024) as llm:
+    check_quantized(checkpoint, prompts, "cpu", kv_cache_dtype, tie, tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_fp8_kv_cache_on_cuda_is_logprob_close(
+    checkpoint: Path, prompts: list[list[int]]
+) -> None:
+    """fp8 e4m3 codes on the device (benchmarks/gpu_check.sh)."""
+    check_quantized(checkpoint, prompts, "cuda", "fp8_e4m3", KV8_TIE, FP8_LOGPROB)
+
+
+def check_quantized(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    device: str,
+    kv_cache_dtype: str,
+    tie: float,
+    tolerance: float,
+) -> None:
+    config = {"dtype": "float32", "kv_cache_dtype": kv_cache_dtype, "num_gpu_blocks": 1024}
+    with LLM(NAME, device=device, **config) as llm:
         assert llm.runner.kv_cache.layout.kv_dtype is not None
         check_close(llm, checkpoint, prompts, torch.float32, tie, tolerance)
 
