@@ -13,8 +13,8 @@ In a block the codes of every layer come first (``[layers, 2, block_size, kv_hea
 head_dim]``), then the scales (``[layers, 2, block_size, kv_heads]``): a block is still
 one contiguous run of bytes, which swap, copy-on-write and the host tier move as they
 are. A block takes ``head_dim + 2`` bytes per row instead of ``2 * head_dim`` (bfloat16)
-or ``4 * head_dim`` (float32): 1.88x the tokens per byte of a 16-bit cache at head_dim
-64, 1.94x at 128.
+or ``4 * head_dim`` (float32): 1.94x the tokens per byte of a 16-bit cache at head_dim
+64, 1.97x at 128.
 
 Every backend attends over the dequantized rows (float32 products of code and scale,
 in the queries' dtype): the rows a step has just stored too, so a prompt's result does
