@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_reference import PROMPTS, Oracle
+from support.schedules import SCENARIOS
 
 from expeditor.llm import LLM
 from gpu_worker.tiny_model import ARCHS
@@ -24,27 +25,6 @@ from shared.sampling import SamplingParams
 MAX_TOKENS = 12
 DEVICE = os.environ.get("EXPEDITOR_TEST_DEVICE", "cpu")
 """``cuda`` runs the oracle on the GPU (Triton kernels), in float32 on both sides."""
-
-
-SCENARIOS: dict[str, dict[str, object]] = {
-    "chunked": {"block_size": 8, "num_gpu_blocks": 128, "max_num_batched_tokens": 16},
-    "prefix": {"block_size": 4, "num_gpu_blocks": 128, "max_num_batched_tokens": 512},
-    "swap": {
-        "block_size": 4,
-        "num_gpu_blocks": 24,
-        "num_cpu_blocks": 128,
-        "max_num_batched_tokens": 64,
-        "preemption_mode": "swap",
-        "watermark": 0.0,
-    },
-    "recompute": {
-        "block_size": 4,
-        "num_gpu_blocks": 24,
-        "max_num_batched_tokens": 64,
-        "preemption_mode": "recompute",
-        "watermark": 0.0,
-    },
-}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
