@@ -1,7 +1,7 @@
 """The quantized KV cache through the engine on the tiny architectures: a schedule never
 changes what a quantized cache answers (every read decodes the same codes: chunked
-prefill, prefix hits, swap and recompute give the default schedule's tokens), and its
-logprobs stay near those of the model's dtype."""
+prefill, prefix hits, swap, recompute and the host tier give the default schedule's
+tokens), and its logprobs stay near those of the model's dtype."""
 
 from __future__ import annotations
 
@@ -23,14 +23,16 @@ TINY_LOGPROB = 0.25
 models (measured: at most 0.11)."""
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
 def run(checkpoint: Path, kv_cache_dtype: str, **config: object) -> tuple[list, LLM]:
-    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=1)
     prompts = [*PROMPTS, PROMPTS[0] + PROMPTS[1]]  # a shared prefix for the prefix cache
     llm = LLM(
         checkpoint, device="cpu", dtype=torch.float32, max_model_len=128,
         kv_cache_dtype=kv_cache_dtype, **config,
     )  # fmt: skip
-    return llm.generate(prompts, greedy), llm
+    return llm.generate(prompts, GREEDY), llm
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
@@ -70,3 +72,27 @@ def test_int8_prompt_logprobs_are_close_to_float32(
         )
     ]  # fmt: skip
     assert len(gaps) > 20 and 0 < max(gaps) < TINY_LOGPROB
+
+
+def test_quantized_blocks_come_back_from_the_host_tier_as_they_left(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """A second round of the same prompts through a pool too small to keep the first's
+    prefixes: the int8 blocks return from the host tier, and the answers are the
+    first round's."""
+    checkpoint = tiny_checkpoint("llama")
+    config = {
+        "block_size": 4,
+        "num_gpu_blocks": 24,
+        "num_cpu_blocks": 64,
+        "prefix_cache_cpu_blocks": 48,
+        "enable_prefix_caching": True,
+        "max_num_seqs": 2,
+    }
+    first, llm = run(checkpoint, "int8", **config)
+    with llm:
+        again = llm.generate([*PROMPTS, PROMPTS[0] + PROMPTS[1]], GREEDY)
+        assert [c.token_ids for c in again] == [c.token_ids for c in first]
+        host = llm.scheduler.kv.host
+        assert host is not None and host.hit_tokens >= 16
+        assert check_invariants(llm.scheduler) == []
