@@ -153,15 +153,14 @@ def choose_backend(
     ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
     native kernel for float32 on a CPU unless ``EXPEDITOR_NATIVE_CPU=0``, the kernel's
     limits or a failed build say otherwise, else torch -- and torch for a quantized
-    cache (``kv_dtype``), which neither kernel reads yet. Read once, at start-up."""
+    cache (``kv_dtype``) on a CPU, which the C kernel does not read. Read once, at
+    start-up."""
     from gpu_worker.attention import native_backend, torch_backend
 
     device = torch.device(device)
     forced = env.get("EXPEDITOR_FORCE_TRITON") == "1"
     backend: AttentionBackend | None = None
-    if layout.kv_dtype is not None:  # the kernels read K/V in the model's dtype
-        reason = f"a {layout.kv_dtype} KV cache: dequantized on load by the torch backend"
-    elif forced or device.type == "cuda":
+    if forced or device.type == "cuda":
         from gpu_worker.attention import triton_backend
 
         why = triton_backend.unusable(device)
@@ -170,6 +169,8 @@ def choose_backend(
             backend = triton_backend.TritonBackend(layout, num_heads, device)
         else:
             reason = f"Triton unusable: {why}"
+    elif layout.kv_dtype is not None:  # the C kernel reads K/V in the model's dtype
+        reason = f"a {layout.kv_dtype} KV cache: dequantized on load by the torch backend"
     elif env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
         reason = "EXPEDITOR_NATIVE_CPU=0"
     else:

@@ -5,7 +5,10 @@ Its plan is the step's :class:`~gpu_worker.kernels.attention_schedule.AttentionS
 (decode tiles, prefill tiles, split-KV decodes), made from the host arrays before they
 reach the device and sent in one non-blocking copy, so no layer waits for the device. A
 plan for a captured CUDA graph has no split-KV decodes (their launches depend on the
-lengths), and a step that would take them runs eagerly.
+lengths), and a step that would take them runs eagerly. Over a quantized cache
+(:mod:`gpu_worker.kv_quant`) a layer quantizes its new rows in torch (no host sync, so
+graphs capture it), stores codes and scales with the same store kernel, and the
+attention kernels multiply each loaded code tile by its rows' scales.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gpu_worker.kernels.attention_schedule import (
 from gpu_worker.kernels.paged_attention import launch_paged_attention
 from gpu_worker.kernels.store_kv import store_kv_triton
 from gpu_worker.kernels.warmup import warm_up
+from gpu_worker.kv_quant import quantize
 
 __all__ = ["TritonBackend", "unusable"]
 
@@ -70,10 +74,17 @@ class TritonBackend(AttentionBackend):
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
     ) -> Tensor:
         key_cache, value_cache = meta.layer_caches[layer]
+        scales = None if meta.layer_scales is None else meta.layer_scales[layer]
+        if scales is not None:  # codes, and their scales as rows of one value
+            (k, k_scale), (v, v_scale) = (quantize(x, key_cache.dtype) for x in (k, v))
+            key_scale, value_scale = (x[..., None] for x in scales)
+            store_kv_triton(
+                k_scale[..., None], v_scale[..., None], key_scale, value_scale, meta.slot_mapping
+            )
         store_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping)
         tables = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
         return launch_paged_attention(  # attend checked the arguments
-            q, key_cache, value_cache, *tables, p.scale, p.window, p.softcap, meta.plan
+            q, key_cache, value_cache, *tables, p.scale, p.window, p.softcap, meta.plan, scales
         )
 
     def warm_up(self, layer_kinds: Iterable[tuple[int | None, float | None]]) -> None:

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["AttentionParams", "check_args", "layer_kind", "layer_params"]
+__all__ = [
+    "AttentionParams",
+    "Scales",
+    "check_args",
+    "layer_kind",
+    "layer_params",
+    "scale_args",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +82,22 @@ def _number(value: object, kind: type) -> bool:
     """An int (numpy's too) for ``int``; also a float for ``float``; never a bool."""
     kinds = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
     return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+Scales = tuple[torch.Tensor, torch.Tensor]
+"""A quantized cache's (key, value) scales of a layer, [blocks, block_size, kv_heads]."""
+
+
+def scale_args(key_cache: torch.Tensor, scales: Scales | None) -> tuple[object, ...]:
+    """The kernels' scale arguments: the two pointers and the strides they share (a
+    cache in the model's dtype: the key cache twice, strides 0, never read)."""
+    if scales is None:
+        return key_cache, key_cache, 0, 0, 0
+    key_scale, value_scale = scales
+    if key_scale.shape != key_cache.shape[:3] or value_scale.stride() != key_scale.stride():
+        raise ValueError(
+            f"scales must be two [blocks, block_size, kv_heads] views with one layout, got "
+            f"{tuple(key_scale.shape)} and {tuple(value_scale.shape)} for caches "
+            f"{tuple(key_cache.shape)}"
+        )
+    return key_scale, value_scale, *key_scale.stride()

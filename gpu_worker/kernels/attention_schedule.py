@@ -112,8 +112,10 @@ def kernel_constexprs(
     dtype: torch.dtype,
     has_window: bool,
     has_softcap: bool,
+    quantized: bool = False,
 ) -> dict[str, int | bool]:
-    """The compile-time constants of a launch of ``kind``: from the model only."""
+    """The compile-time constants of a launch of ``kind``: from the model only
+    (``quantized``: its cache holds 8-bit codes and scales)."""
     interpreter_loop = INTERPRET
     dim_pad = _dim_pad(head_dim)
     if kind == REDUCE:
@@ -135,6 +137,7 @@ def kernel_constexprs(
         "HAS_WINDOW": has_window,
         "HAS_SOFTCAP": has_softcap,
         "INTERPRETER_LOOP": interpreter_loop,
+        "QUANT": quantized,
     }
     if kind == SPLIT:
         return shared

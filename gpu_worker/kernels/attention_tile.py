@@ -50,6 +50,11 @@ def attend_key_tile(
     vc_s1,
     vc_s2,
     vc_s3,
+    key_scale_ptr,
+    value_scale_ptr,
+    ks_s0,
+    ks_s1,
+    ks_s2,
     kv_head,
     dims,
     dim_ok,
@@ -61,6 +66,7 @@ def attend_key_tile(
     IEEE_DOT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # One online-softmax step over keys [start_n, start_n + TILE_N) of the sequence; each
     # key's physical slot comes from the block table, so a tile may span several blocks
@@ -84,6 +90,14 @@ def attend_key_tile(
         mask=key_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    if QUANT:
+        # 8-bit codes times their rows' float16 scales (one per key and kv head; the
+        # value scales sit at the same offsets of their own view).
+        scale_at = block * ks_s0 + in_block * ks_s1 + kv_head * ks_s2
+        k_scale = tl.load(key_scale_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+        v_scale = tl.load(value_scale_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+        k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     if IEEE_DOT:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -135,6 +149,11 @@ def attend_key_range(
     vc_s1,
     vc_s2,
     vc_s3,
+    key_scale_ptr,
+    value_scale_ptr,
+    ks_s0,
+    ks_s1,
+    ks_s2,
     kv_head,
     dims,
     dim_ok,
@@ -146,6 +165,7 @@ def attend_key_range(
     IEEE_DOT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
     INTERPRETER_LOOP: tl.constexpr,
 ):
     # attend_key_tile over the key tiles from first_key up to end (keys below min_key
@@ -157,8 +177,9 @@ def attend_key_range(
             m_i, l_i, acc = attend_key_tile(
                 start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
                 key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
+                vc_s0, vc_s1, vc_s2, vc_s3, key_scale_ptr, value_scale_ptr, ks_s0, ks_s1, ks_s2,
+                kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, QUANT,
             )  # fmt: skip
             start_n += TILE_N
     else:
@@ -166,7 +187,8 @@ def attend_key_range(
             m_i, l_i, acc = attend_key_tile(
                 start_n, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
                 key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-                vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP,
+                vc_s0, vc_s1, vc_s2, vc_s3, key_scale_ptr, value_scale_ptr, ks_s0, ks_s1, ks_s2,
+                kv_head, dims, dim_ok, scale, window, softcap,
+                TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, QUANT,
             )  # fmt: skip
     return m_i, l_i, acc

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels.attention_args import check_args
+from gpu_worker.kernels.attention_args import Scales, check_args, scale_args
 from gpu_worker.kernels.attention_schedule import (
     NUM_WARPS,
     AttentionSchedule,
@@ -74,6 +74,11 @@ def _paged_attention_kernel(
     vc_s1,
     vc_s2,
     vc_s3,
+    key_scale_ptr,
+    value_scale_ptr,
+    ks_s0,
+    ks_s1,
+    ks_s2,
     bt_s0,
     bt_s1,
     QUERIES_PER_KV: tl.constexpr,
@@ -87,6 +92,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     INTERPRETER_LOOP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # One program per (query tile of one of the launch's sequences, kv head). A tile holds
     # BLOCK_Q query tokens x the QUERIES_PER_KV query heads sharing this kv head, as
@@ -139,8 +145,9 @@ def _paged_attention_kernel(
     m_i, l_i, acc = attend_key_range(
         first_key, min_key, num_keys, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
         key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-        vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, INTERPRETER_LOOP,
+        vc_s0, vc_s1, vc_s2, vc_s3, key_scale_ptr, value_scale_ptr, ks_s0, ks_s1, ks_s2,
+        kv_head, dims, dim_ok, scale, window, softcap,
+        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, QUANT, INTERPRETER_LOOP,
     )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -165,6 +172,7 @@ def _launch_tiles(
     scale: float,
     window: int,
     softcap: float,
+    scales: Scales | None = None,
 ) -> None:
     constexprs = kernel_constexprs(
         launch.kind,
@@ -174,6 +182,7 @@ def _launch_tiles(
         dtype=query.dtype,
         has_window=window > 0,
         has_softcap=softcap > 0,
+        quantized=scales is not None,
     )
     _paged_attention_kernel[(launch.num_tiles, schedule.num_kv_heads)](
         out,
@@ -194,6 +203,7 @@ def _launch_tiles(
         *out.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
+        *scale_args(key_cache, scales),
         *block_tables.stride(),
         **constexprs,
         num_warps=NUM_WARPS[launch.kind],
@@ -255,6 +265,7 @@ def paged_attention_triton(
     window: int | None = None,
     softcap: float | None = None,
     schedule: AttentionSchedule | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of prefill chunks and decodes, as the
     torch backend's ``paged_attention_ref`` (flash-style online softmax over the
@@ -266,13 +277,15 @@ def paged_attention_triton(
     the same ``query_start_loc`` and ``seq_lens`` (it says which launch takes which
     sequence; the kernels read the lengths from the tensors); None builds one from the
     tensors (a host sync on CUDA; split-KV decodes by the device's multiprocessor count).
+    ``scales``: a quantized cache's (key, value) scales [blocks, block_size, kv_heads],
+    whose caches then hold 8-bit codes (:mod:`gpu_worker.kv_quant`).
     """
     window, cap = check_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, window, softcap
     )
     return launch_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        window, cap, schedule,
+        window, cap, schedule, scales,
     )  # fmt: skip
 
 
@@ -287,6 +300,7 @@ def launch_paged_attention(
     window: int,
     cap: float,
     schedule: AttentionSchedule | None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention_triton` on arguments :func:`check_args` already passed
     (``window``/``cap`` 0: none), as the Triton backend calls it."""
@@ -304,9 +318,9 @@ def launch_paged_attention(
     args += (float(scale), window, cap)
     for launch in (schedule.decode, schedule.prefill):
         if launch is not None:
-            _launch_tiles(launch, schedule, *args)
+            _launch_tiles(launch, schedule, *args, scales)
     if schedule.split is not None:
-        split_kv_decode(schedule.split, schedule, *args)
+        split_kv_decode(schedule.split, schedule, *args, scales)
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels.attention_args import Scales, scale_args
 from gpu_worker.kernels.attention_schedule import NUM_WARPS, REDUCE, SPLIT, kernel_constexprs
 from gpu_worker.kernels.attention_tile import attend_key_range, find_slot
 
@@ -87,6 +88,11 @@ def _split_kv_partial_kernel(
     vc_s1,
     vc_s2,
     vc_s3,
+    key_scale_ptr,
+    value_scale_ptr,
+    ks_s0,
+    ks_s1,
+    ks_s2,
     bt_s0,
     bt_s1,
     QUERIES_PER_KV: tl.constexpr,
@@ -98,6 +104,7 @@ def _split_kv_partial_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     INTERPRETER_LOOP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # One program per (partition of a split decode, kv head); rows are the kv head's
     # query heads (padded to BLOCK_M for tl.dot). The i-th split sequence owns the
@@ -137,8 +144,9 @@ def _split_kv_partial_kernel(
     m_i, l_i, acc = attend_key_range(
         start, min_key, end, q, q_pos, row_ok, m_i, l_i, acc, table, bt_s1,
         key_cache_ptr, value_cache_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
-        vc_s0, vc_s1, vc_s2, vc_s3, kv_head, dims, dim_ok, scale, window, softcap,
-        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, INTERPRETER_LOOP,
+        vc_s0, vc_s1, vc_s2, vc_s3, key_scale_ptr, value_scale_ptr, ks_s0, ks_s1, ks_s2,
+        kv_head, dims, dim_ok, scale, window, softcap,
+        TILE_N, BLOCK_SIZE, IEEE_DOT, HAS_WINDOW, HAS_SOFTCAP, QUANT, INTERPRETER_LOOP,
     )  # fmt: skip
 
     ws_row = part.to(tl.int64) * num_heads + head
@@ -257,6 +265,7 @@ def split_kv_decode(
     scale: float,
     window: int,
     softcap: float,
+    scales: Scales | None = None,
 ) -> None:
     """Attention of the schedule's split decodes into their rows of ``out``: the partial
     launch, then the reduce (``window`` / ``softcap`` 0 for none)."""
@@ -291,8 +300,9 @@ def split_kv_decode(
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
+        *scale_args(key_cache, scales),
         *block_tables.stride(),
-        **kernel_constexprs(SPLIT, **layout),
+        **kernel_constexprs(SPLIT, **layout, quantized=scales is not None),
         num_warps=NUM_WARPS[SPLIT],
     )
     _split_kv_reduce_kernel[(launch.num_seqs, schedule.num_kv_heads)](

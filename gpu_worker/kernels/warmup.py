@@ -75,9 +75,10 @@ def warm_up(
         partition_size=PARTITION_MULTIPLE,
     )
     # One block of the cache's per-block layout; every table entry points at it.
-    kv_cache = torch.zeros(
-        (1, layout.num_layers, 2, block_size, kv_heads, head_dim), dtype=layout.dtype, device=device
-    )
+    kv_shape = (1, layout.num_layers, 2, block_size, kv_heads, head_dim)
+    kv_cache = torch.zeros(kv_shape, dtype=layout.kv_dtype or layout.dtype, device=device)
+    scale_cache = torch.ones(kv_shape[:-1], dtype=torch.float16, device=device)
+    scales = None if layout.kv_dtype is None else (scale_cache[:, 0, 0], scale_cache[:, 0, 1])
     width = -(-long_context // block_size)
     tables = torch.zeros((len(q_lens), width), dtype=torch.int32, device=device)
     query = torch.zeros((int(starts[-1]), num_heads, head_dim), dtype=layout.dtype, device=device)
@@ -99,6 +100,7 @@ def warm_up(
             window=window,
             softcap=softcap,
             schedule=schedule,
+            scales=scales,
         )
         launched += [(kind, has_window, has_softcap) for kind in schedule.kinds]
     if device.type == "cuda":

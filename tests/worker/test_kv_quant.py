@@ -1,15 +1,25 @@
-"""The quantized KV cache: codes and scales, the block as bytes, and the torch backend's
-attention over it against the reference over the dequantized cache."""
+"""The quantized KV cache: codes and scales, the block as bytes, the torch backend's
+attention over it against the reference over the dequantized cache, and the Triton
+kernels (under the interpreter) against the torch backend."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
-from gpu_worker.attention import StepMetadata
+from gpu_worker.attention import AttentionBackend, StepMetadata
 from gpu_worker.attention.torch_backend import TorchBackend, paged_attention_ref
+from gpu_worker.attention.triton_backend import TritonBackend
 from gpu_worker.kernels.attention_args import layer_params
+from gpu_worker.kernels.attention_schedule import (
+    INTERPRET,
+    PARTITION_MULTIPLE,
+    SPLIT_MIN_PARTITIONS,
+    plan_attention,
+)
+from gpu_worker.kernels.paged_attention import paged_attention_triton
 from gpu_worker.kv_cache import KVCache, KVLayout
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, MIN_SCALE, dequantize, kv_storage_dtype, quantize
 
@@ -67,22 +77,22 @@ def test_the_setting_names_the_codes() -> None:
         kv_storage_dtype("int4")
 
 
-SEQS = [(9, 1), (6, 6), (13, 3), (4, 1), (21, 1)]
-"""(keys after the step, new rows): decodes, a whole prompt, a chunk after a prefix."""
+SEQS = [(9, 1), (6, 6), (13, 3), (4, 1), (SPLIT_MIN_PARTITIONS * PARTITION_MULTIPLE + 3, 1)]
+"""(keys after the step, new rows): decodes (one long enough to split), a whole prompt,
+a chunk after a prefix."""
+HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 4
+KINDS = [(None, None), (5, None), (None, 20.0)]
 
 
-@pytest.mark.parametrize("dtype", CODES, ids=str)
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
-def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
-    dtype: torch.dtype, window: int | None, softcap: float | None
-) -> None:
-    g = torch.Generator().manual_seed(1)
-    bs, kv_heads, heads, dim = 4, 2, 4, 16
+def quantized_step(dtype: torch.dtype, seed: int = 1) -> tuple[KVCache, dict, list[Tensor]]:
+    """A cache of random codes under :data:`SEQS`' block tables, the step's host arrays,
+    and its q, k, v."""
+    g = torch.Generator().manual_seed(seed)
     layout = KVLayout(
-        num_layers=2, num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
+        num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BS,
         dtype=torch.float32, kv_dtype=dtype,
     )  # fmt: skip
-    needed = [-(-n // bs) for n, _ in SEQS]
+    needed = [-(-n // BS) for n, _ in SEQS]
     cache = KVCache(layout, sum(needed) + 2, torch.device("cpu"))
     perm = torch.randperm(cache.num_blocks, generator=g)
     tables = np.zeros((len(SEQS), max(needed)), dtype=np.int32)
@@ -91,7 +101,7 @@ def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
     for s, (n, new) in enumerate(SEQS):
         tables[s, : needed[s]] = perm[used : used + needed[s]]
         used += needed[s]
-        slots += [int(tables[s, p // bs]) * bs + p % bs for p in range(n - new, n)]
+        slots += [int(tables[s, p // BS]) * BS + p % BS for p in range(n - new, n)]
     values, scales = layout.views(cache.kv)
     assert scales is not None
     codes, scale = quantize(torch.randn(values.shape, generator=g), dtype)  # the cached keys
@@ -104,7 +114,13 @@ def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
         "seq_lens": np.array([n for n, _ in SEQS], dtype=np.int32),
         "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
     }
-    backend = TorchBackend(layout, heads, torch.device("cpu"))
+    tokens = len(slots)
+    q = torch.randn((tokens, HEADS, DIM), generator=g)
+    k, v = (torch.randn((tokens, KV_HEADS, DIM), generator=g) for _ in range(2))
+    return cache, arrays, [q, k, v]
+
+
+def forward(backend: AttentionBackend, cache: KVCache, arrays: dict, qkv: list, p) -> Tensor:
     meta = StepMetadata(
         **{name: torch.from_numpy(a) for name, a in arrays.items()},
         layer_caches=cache.layer_caches,
@@ -112,23 +128,66 @@ def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
         plan=backend.plan(arrays, cache.num_blocks),
         layer_scales=cache.layer_scales,
     )
-    tokens = len(slots)
-    q = torch.randn((tokens, heads, dim), generator=g)
-    k, v = (torch.randn((tokens, kv_heads, dim), generator=g) for _ in range(2))
-    p = layer_params(dim**-0.5, window, softcap)
-    out = backend.forward(meta, 1, q, k, v, p)
+    return backend.forward(meta, 1, *qkv, p)
+
+
+def decoded_reference(cache: KVCache, arrays: dict, q: Tensor, p) -> Tensor:
+    """paged_attention_ref over layer 1 of the cache dequantized."""
+    assert cache.layer_scales is not None
     (key, value), (key_scale, value_scale) = cache.layer_caches[1], cache.layer_scales[1]
-    slot = torch.tensor(slots)
-    stored = dequantize(key[slot // bs, slot % bs], key_scale[slot // bs, slot % bs], k.dtype)
-    assert torch.equal(stored, dequantize(*quantize(k, dtype), torch.float32))
     decoded = (
         dequantize(key, key_scale, torch.float32),
         dequantize(value, value_scale, torch.float32),
     )
-    want = paged_attention_ref(
-        q, *decoded, meta.block_tables, meta.seq_lens, meta.query_start_loc, p.scale,
-        window=window, softcap=softcap,
-    )  # fmt: skip
+    tables = (torch.from_numpy(arrays[n]) for n in ("block_tables", "seq_lens", "query_start_loc"))
+    return paged_attention_ref(
+        q, *decoded, *tables, p.scale, window=p.window or None, softcap=p.softcap or None
+    )
+
+
+@pytest.mark.parametrize("dtype", CODES, ids=str)
+@pytest.mark.parametrize(("window", "softcap"), KINDS)
+def test_the_torch_backend_attends_over_what_the_cache_decodes_to(
+    dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
+    cache, arrays, (q, k, v) = quantized_step(dtype)
+    before = dequantize(cache.layer_caches[0][0], cache.layer_scales[0][0], torch.float32)
+    p = layer_params(DIM**-0.5, window, softcap)
+    out = forward(
+        TorchBackend(cache.layout, HEADS, torch.device("cpu")), cache, arrays, [q, k, v], p
+    )
+    (key, _), (key_scale, _) = cache.layer_caches[1], cache.layer_scales[1]
+    slot = torch.from_numpy(arrays["slot_mapping"])
+    stored = dequantize(key[slot // BS, slot % BS], key_scale[slot // BS, slot % BS], k.dtype)
+    assert torch.equal(stored, dequantize(*quantize(k, dtype), torch.float32))
+    torch.testing.assert_close(out, decoded_reference(cache, arrays, q, p), atol=2e-5, rtol=1e-5)
+    after = dequantize(cache.layer_caches[0][0], cache.layer_scales[0][0], torch.float32)
+    assert torch.equal(after, before)  # the other layer untouched
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("window", "softcap"), KINDS)
+def test_the_triton_kernels_store_and_read_codes_as_the_torch_backend(
+    window: int | None, softcap: float | None
+) -> None:
+    cpu = torch.device("cpu")
+    ours, arrays, qkv = quantized_step(torch.int8)
+    theirs, _, _ = quantized_step(torch.int8)
+    p = layer_params(DIM**-0.5, window, softcap)
+    out = forward(TritonBackend(ours.layout, HEADS, cpu), ours, arrays, qkv, p)
+    want = forward(TorchBackend(theirs.layout, HEADS, cpu), theirs, arrays, qkv, p)
+    assert torch.equal(ours.kv, theirs.kv)  # the same codes and scales stored
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
-    other = dequantize(cache.layer_caches[0][0], cache.layer_scales[0][0], torch.float32)
-    assert torch.equal(other, dequantize(codes[:, 0, 0], scale[:, 0, 0], torch.float32))
+    # The long decode split over partitions (a "GPU" too large for one program per head).
+    starts, lens = arrays["query_start_loc"], arrays["seq_lens"]
+    schedule = plan_attention(
+        starts, lens, num_kv_heads=KV_HEADS, queries_per_kv=HEADS // KV_HEADS, head_dim=DIM,
+        block_size=BS, num_sms=1 << 20, device=cpu, partition_size=PARTITION_MULTIPLE,
+    )  # fmt: skip
+    assert schedule.split is not None
+    tables = (torch.from_numpy(arrays[n]) for n in ("block_tables", "seq_lens", "query_start_loc"))
+    split = paged_attention_triton(
+        qkv[0], *ours.layer_caches[1], *tables, p.scale, window=window, softcap=softcap,
+        schedule=schedule, scales=ours.layer_scales[1],
+    )  # fmt: skip
+    torch.testing.assert_close(split, want, atol=2e-5, rtol=1e-5)
