@@ -70,6 +70,25 @@ def check_supported(config: PretrainedConfig) -> None:
         )
 
 
+def layer_windows(config: PretrainedConfig) -> list[int]:
+    """Per layer, the keys its attention reads back from a query's position: the
+    sliding window of a windowed layer (``layer_types`` says which, else every layer
+    of a config with ``sliding_window``), 0 for a layer that reads the whole context."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    layers = int(config.num_hidden_layers)
+    types = getattr(config, "layer_types", None) if window else None
+    if types:
+        return [window if kind == "sliding_attention" else 0 for kind in types]
+    return [window] * layers
+
+
+def kv_window(config: PretrainedConfig) -> int:
+    """Keys any layer reads at most back from a query's position when every layer is
+    windowed (the largest window), else 0: what the scheduler may release behind."""
+    windows = layer_windows(config)
+    return max(windows) if windows and min(windows) > 0 else 0
+
+
 def logits_fn(
     model: torch.nn.Module, config: PretrainedConfig
 ) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from gpu_worker import attention
+from gpu_worker.architectures import kv_window
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.decoder import load_decoder
 from gpu_worker.draft_model import DraftModel, check_same_vocabulary
@@ -245,6 +246,8 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             draft_model=os.path.abspath(self.draft.model_dir) if self.draft is not None else "",
+            # A draft model's K/V share the blocks and its layers read the whole context.
+            kv_window=kv_window(self.config) if self.draft is None else 0,
         )
 
     def _profile_num_blocks(self, max_tokens: int, max_num_seqs: int, utilization: float) -> int:

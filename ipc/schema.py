@@ -285,6 +285,11 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     """The draft model's checkpoint when the workers draft speculative proposals
     (``speculative_model``; its K/V shares each block with the target's, so
     ``num_gpu_blocks`` counts both), else empty: proposals come from the scheduler."""
+    kv_window: int = 0
+    """Keys any layer reads at most back from a query's position: the sliding window
+    when every attention layer has one (the largest), else 0 (some layer reads the whole
+    context, or a draft model's K/V share the blocks). The scheduler releases blocks
+    behind it; the workers' last block is then the null block released entries name."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -79,5 +79,6 @@ def build_engine(
         kv_bytes_per_block=hello.kv_bytes_per_block,
         vocab_size=hello.vocab_size or None,
         drafting=bool(hello.draft_model),
+        kv_window=hello.kv_window,
     )
     return BuiltEngine(sized, core, StepEngine(core, executor, times=times), swap_pool)

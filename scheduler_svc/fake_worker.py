@@ -167,13 +167,18 @@ class FakeWorker:
         num_cpu_blocks: int,
         verify_kv: bool = True,
         drafter: Drafter | None = None,
+        window: int = 0,
     ) -> None:
         """``drafter``: drafts the plans' ``draft_lengths`` (speculation drafted on the
-        worker, as a draft model does)."""
+        worker, as a draft model does); ``window``: every layer reads only the keys
+        after position - window (a sliding window; the scheduler's ``kv_window``), so
+        only those are verified, and the null block (the last) must never be written."""
         self.model = model
         self.drafter = drafter
         self.block_size = block_size
         self.verify_kv = verify_kv
+        self.window = window
+        self.null_block = num_gpu_blocks - 1 if window else None
         self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
         self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
         self.state = WorkerState(block_size)
@@ -209,10 +214,13 @@ class FakeWorker:
         # Forward: store every new token's K/V, then let attention read the contexts.
         for item in batch:
             for position in item.positions:
-                self.gpu_kv[self._slot(item.seq, position)] = item.seq.token_ids[position]
+                slot = self._slot(item.seq, position)
+                if slot // self.block_size == self.null_block:
+                    raise WorkerStateError(f"position {position} stored in the null block")
+                self.gpu_kv[slot] = item.seq.token_ids[position]
         if self.verify_kv:
             for item in batch:
-                self._verify(item.seq, item.end)
+                self._verify(item.seq, item.start, item.end)
 
         sampled = {
             item.seq.seq_id: self._verified(item, proposals[item.seq.seq_id])
@@ -245,9 +253,11 @@ class FakeWorker:
         ]
         return draws[: accepted_run(draws, proposal)]
 
-    def _verify(self, seq: WorkerSeq, context_len: int) -> None:
+    def _verify(self, seq: WorkerSeq, start: int, context_len: int) -> None:
+        """The keys the step's queries (positions ``start..context_len-1``) read."""
         kv = self.gpu_kv
-        for position in range(context_len):
+        first = max(0, start - self.window + 1) if self.window else 0
+        for position in range(first, context_len):
             held = kv[self._slot(seq, position)]
             if held != seq.token_ids[position]:
                 raise WorkerStateError(

@@ -121,12 +121,15 @@ class Simulation:
         overlap: bool = False,
         proposal_acceptance: float | None = None,
         drafted: bool = False,
+        kv_window: int = 0,
     ) -> None:
         """``proposal_acceptance``: with ``num_speculative_tokens``, decodes propose
         through :class:`~scheduler_svc.fake_worker.FakeProposer`, whose tokens are the
         fake model's with this probability (None: prompt lookup, as served).
         ``drafted``: the fake worker drafts those tokens, as a draft model does (plans
-        carry ``draft_lengths``), instead of the scheduler proposing them."""
+        carry ``draft_lengths``), instead of the scheduler proposing them.
+        ``kv_window``: the model's layers all read a sliding window of that many keys
+        (as a worker's hello says), so the scheduler releases blocks behind it."""
         if drafted and proposal_acceptance is None:
             raise ValueError("drafted proposals need a proposal_acceptance")
         if config.num_gpu_blocks is None:
@@ -144,6 +147,7 @@ class Simulation:
             kv_bytes_per_block=kv_bytes_per_block,
             proposer=proposer,
             drafting=drafted,
+            kv_window=kv_window,
         )
         self.worker = FakeWorker(
             self.model,
@@ -152,6 +156,7 @@ class Simulation:
             num_cpu_blocks=config.num_cpu_blocks,
             verify_kv=verify_kv,
             drafter=proposer if drafted else None,
+            window=self.scheduler.kv.window,
         )
         self.check = check_invariants
         self.engine = StepEngine(
@@ -181,6 +186,7 @@ class Simulation:
         requests = {}
         step_times: list[float] = []
         generated = 0
+        peak_running = 0
 
         while pending or self.engine.has_work():
             step = sched.step
@@ -207,6 +213,7 @@ class Simulation:
 
             output = self.engine.step()  # raises AssertionError on a broken invariant
             plan = output.plan
+            peak_running = max(peak_running, len(sched.running))
             step_times.append(output.schedule_s + output.update_s)
 
             generated += len(output.new_tokens)
@@ -248,6 +255,8 @@ class Simulation:
             "finished": len(requests),
             "rejected": len(result.rejected),
             "preemptions": dict(sched.preemptions),
+            "peak_running": peak_running,
+            "released_blocks": sched.kv.released_blocks,
             "wait_steps": {
                 str(p): {"max": max(w), "p99": percentile(w, 99)} for p, w in sorted(waits.items())
             },

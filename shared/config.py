@@ -165,6 +165,14 @@ class SchedulerConfig(StepLimits, frozen=True):
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share KV blocks of identical prompt prefixes across requests.")
     ] = True
+    free_out_of_window_blocks: Annotated[
+        bool,
+        Meta(
+            description="For a model whose every attention layer has a sliding window, "
+            "give back each sequence's KV blocks once the window has passed them (they "
+            "are never read again); off = a sequence holds its whole context."
+        ),
+    ] = True
     overlap_scheduling: Annotated[
         bool,
         Meta(

@@ -18,12 +18,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 BlockKey = tuple[int, tuple[int, ...]]
-"""(block holding the previous block of the prefix, this block's tokens).
+"""(the cache entry of the previous block of the prefix, this block's tokens).
 
-A cached block's K/V depend on its whole prefix. The key names the prefix by the block
-that holds it, and a lookup walks a prompt from its first block, confirming each block
-before trying the next; by induction a confirmed key identifies the whole prefix
-exactly, so a hash collision can cost a hit but never hand out wrong K/V.
+A cached block's K/V depend on its whole prefix. The key names the prefix by the entry
+that holds it (:attr:`DeviceBlockPool.entry`: a number given to each registration, never
+reused, so a key cannot name a block evicted and cached again with other content), and a
+lookup walks a prompt from its first block, confirming each block before trying the
+next; by induction a confirmed key identifies the whole prefix exactly, so a hash
+collision can cost a hit but never hand out wrong K/V.
 """
 
 NO_PARENT = -1
@@ -47,6 +49,9 @@ class DeviceBlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}
         """Content hash -> block holding that content."""
+        self.entry = [NO_PARENT] * num_blocks
+        """Per cached block, the number of its registration (keys name parents by it)."""
+        self._entries = 0
         self.num_shared = 0
         """Blocks with more than one reference: while none is, no copy-on-write is due."""
         self._free: deque[int] = deque(range(num_blocks))
@@ -164,6 +169,8 @@ class DeviceBlockPool:
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
         self.block_key[block] = key
+        self.entry[block] = self._entries
+        self._entries += 1
 
     def uncache(self, block: int) -> None:
         if self.block_hash[block] is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ipc.schema import BlockUsage, PrefixCacheStats, SchedulerSnapshot, SeqInfo, SeqStatus
 
 if TYPE_CHECKING:
+    from scheduler_svc.core.request import Sequence
     from scheduler_svc.core.scheduler import Scheduler
 
 
@@ -39,8 +40,11 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
             in_queues[seq.seq_id] = name
             if seq.status is not status:
                 problems.append(f"{seq.seq_id} is in {name} with status {seq.status.value}")
-            for block in seq.block_table:
+            released = seq.num_released
+            for block in seq.block_table[released:]:
                 refs[block] += 1
+            if released:
+                problems += _released_problems(scheduler, seq)
             cpu_held.extend(seq.cpu_block_table)
             proposed = proposed_in_flight.get(seq.seq_id, 0)
             if not 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_placeholders + proposed:
@@ -78,6 +82,26 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
     return problems
 
 
+def _released_problems(scheduler: Scheduler, seq: Sequence) -> list[str]:
+    """What is wrong with ``seq``'s released entries (sliding windows)."""
+    kv = scheduler.kv
+    released = seq.num_released
+    problems = []
+    if not kv.window:
+        problems.append(f"{seq.seq_id}: {released} blocks released with no window")
+    elif released > (seq.num_computed_tokens - kv.window + 1) // scheduler.block_size:
+        problems.append(
+            f"{seq.seq_id}: {released} blocks released, some still in the window of "
+            f"{seq.num_computed_tokens} computed tokens"
+        )
+    table = seq.block_table
+    if any(b != kv.null_block for b in table[:released]):
+        problems.append(f"{seq.seq_id}: a released entry names a block")
+    if kv.null_block in table[released:]:
+        problems.append(f"{seq.seq_id}: the null block among its held blocks")
+    return problems
+
+
 def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
     """The scheduler's queues, pools, counters and every live sequence."""
     pool = scheduler.kv.pool
@@ -91,7 +115,7 @@ def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_computed_tokens=seq.num_computed_tokens,
-            num_gpu_blocks=len(seq.block_table),
+            num_gpu_blocks=seq.num_device_blocks,
             num_cpu_blocks=len(seq.cpu_block_table),
             num_preemptions=seq.num_preemptions,
         )

@@ -10,6 +10,13 @@ are allocated for the step that fills them, or, when that step computes a placeh
 (overlapped scheduling), with the next step's growth once the token is known; the
 worker stores every new K/V of a layer before attention reads, so a sequence admitted
 in the same step may already share them.
+
+Sliding windows (``window``: the keys every layer reads at most, back from a query's
+position): the leading blocks no query can read any more are released as the sequence
+advances (:meth:`slide`). Their table entries then name the null block, the last device
+block, which nothing allocates or writes (the workers' cache starts zeroed, so a kernel
+reading it through a table sees finite zeros and masks them out). The table keeps its
+length, so every index into it still means the same tokens.
 """
 
 from __future__ import annotations
@@ -31,9 +38,17 @@ class KVCacheManager:
         num_cpu_blocks: int,
         enable_prefix_caching: bool,
         num_host_blocks: int = 0,
+        window: int = 0,
     ) -> None:
         self.block_size = block_size
-        self.pool = DeviceBlockPool(num_gpu_blocks)
+        self.window = window if num_gpu_blocks > 1 else 0
+        """Keys every layer reads at most back from a query's position (0: some layer
+        reads the whole context): blocks further back are released (:meth:`slide`)."""
+        self.null_block = num_gpu_blocks - 1 if self.window else num_gpu_blocks
+        """What a released table entry names (the last device block, outside the pool)."""
+        self.pool = DeviceBlockPool(num_gpu_blocks - 1 if self.window else num_gpu_blocks)
+        self.released_blocks = 0
+        """Blocks given back by :meth:`slide` so far."""
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.host: HostPrefixTier | None = None
@@ -69,6 +84,7 @@ class KVCacheManager:
         hashes = seq.block_hashes
         cached = self.pool.cached
         block_key = self.pool.block_key
+        entry = self.pool.entry
         token_ids = seq.token_ids
         bs = self.block_size
         hits: list[int] = []
@@ -86,7 +102,7 @@ class KVCacheManager:
             if block_key[block] != (parent, tokens):
                 break
             hits.append(block)
-            parent = block
+            parent = entry[block]
         return hits
 
     def find_prefix(self, seq: Sequence) -> list[int]:
@@ -149,7 +165,9 @@ class KVCacheManager:
             block = table[index]
             content_hash = hashes[index]
             if content_hash not in cached and block_hash[block] is None:
-                pool.cache(block, content_hash, (parent, tokens))
+                pool.cache(
+                    block, content_hash, (pool.entry[parent] if index else NO_PARENT, tokens)
+                )
                 if self.host is not None:
                     digests = sequence_digests(seq, full, self.block_size)
                     self.host.device_digest[block] = digests[index]
@@ -243,7 +261,8 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (n>1 samples of one prompt)."""
         child.block_table = list(parent.block_table)
-        self.pool.share(child.block_table)
+        child.num_released = parent.num_released
+        self.pool.share(child.block_table[child.num_released :])
         child.block_hashes = list(parent.block_hashes)
         child.block_digests = list(parent.block_digests)
         child.num_cached_blocks = parent.num_cached_blocks
@@ -258,29 +277,61 @@ class KVCacheManager:
             del table[num_blocks:]
 
     def free(self, seq: Sequence) -> None:
-        self.pool.release(reversed(seq.block_table))
+        self.pool.release(reversed(seq.block_table[seq.num_released :]))
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_released = 0
+
+    def slide(self, seq: Sequence) -> list[int]:
+        """Release the leading blocks of ``seq`` that no layer reads again; returns their
+        table indices (now naming :attr:`null_block`).
+
+        A query at position p reads keys after p - window, and every query still to come
+        sits at or after the computed tokens; a block whose last key is at or before
+        computed - window is therefore never read again. With prefix caching the last
+        registered block stays (the next block's key names it as its parent)."""
+        window = self.window
+        if not window:
+            return []
+        end = (seq.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching and end >= seq.num_cached_blocks:
+            end = seq.num_cached_blocks - 1
+        start = seq.num_released
+        if end <= start:
+            return []
+        table = seq.block_table
+        self.pool.release(table[start:end])  # oldest first: the first to be evicted
+        table[start:end] = [self.null_block] * (end - start)
+        seq.num_released = end
+        self.released_blocks += end - start
+        return list(range(start, end))
 
     # -- swap -----------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) <= self.cpu_pool.num_free
+        return 0 < seq.num_device_blocks <= self.cpu_pool.num_free
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move ``seq``'s blocks to the CPU pool; returns (device, cpu) copies."""
-        cpu_blocks = self.cpu_pool.allocate(len(seq.block_table))
-        pairs = list(zip(seq.block_table, cpu_blocks, strict=True))
+        """Move ``seq``'s blocks to the CPU pool; returns (device, cpu) copies. Released
+        entries stay released (``num_released`` is kept)."""
+        released = seq.num_released
+        held = seq.block_table[released:]
+        cpu_blocks = self.cpu_pool.allocate(len(held))
+        pairs = list(zip(held, cpu_blocks, strict=True))
         self.free(seq)
+        seq.num_released = released
         seq.cpu_block_table = cpu_blocks
         return pairs
 
     def find_swap_hits(self, seq: Sequence) -> list[int]:
-        """Full blocks of a swapped ``seq`` still cached on the device: no copy needed."""
+        """Full blocks of a swapped ``seq`` still cached on the device: no copy needed
+        (none once it released leading blocks: its CPU blocks start after them)."""
+        if seq.num_released:
+            return []
         return self.find_cached(seq, seq.num_computed_tokens // self.block_size)
 
     def can_swap_in(self, seq: Sequence, hits: list[int], num_new: int, reserve: int) -> bool:
-        after = self.blocks_for(seq.num_computed_tokens + num_new)
+        after = self.blocks_for(seq.num_computed_tokens + num_new) - seq.num_released
         return self._cost(after, hits) + reserve <= self.pool.num_free
 
     def swap_in(self, seq: Sequence, hits: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -292,8 +343,12 @@ class KVCacheManager:
         self.pool.share(hits)
         cpu_blocks = seq.cpu_block_table
         copied = self.pool.allocate(len(cpu_blocks) - len(hits))
-        seq.block_table = list(hits) + copied
-        seq.num_cached_blocks = len(hits)
+        seq.block_table = [self.null_block] * seq.num_released + list(hits) + copied
+        # Copies after released entries stay private: a key would name a parent the
+        # sequence no longer holds.
+        seq.num_cached_blocks = (
+            seq.num_computed_tokens // self.block_size if seq.num_released else len(hits)
+        )
         seq.cpu_block_table = []
         if self.enable_prefix_caching:
             self.cache_full_blocks(seq, seq.num_computed_tokens)

@@ -266,7 +266,7 @@ class PreemptionCostModel:
         return self.copy_seconds(num_blocks) < self.recompute_seconds(num_blocks * block_size)
 
     def choose(self, seq: Sequence, cpu_free_blocks: int) -> PreemptionMode:
-        num_blocks = len(seq.block_table)
+        num_blocks = seq.num_device_blocks
         if self.mode == "recompute" or not 0 < num_blocks <= cpu_free_blocks:
             return "recompute"
         if self.mode == "swap":

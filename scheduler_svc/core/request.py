@@ -175,6 +175,7 @@ class Sequence(_SequenceHotFields):
         "num_cached_blocks",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_released",
         "request",
         "sample_index",
     )
@@ -204,6 +205,9 @@ class Sequence(_SequenceHotFields):
         """Their prefix digests for the host tier (``host_tier.sequence_digests``)."""
         self.num_cached_blocks = 0
         """Leading blocks of ``block_table`` already registered in the prefix cache."""
+        self.num_released = 0
+        """Leading entries of ``block_table`` released because every layer's sliding
+        window has passed them (they name the null block, see ``KVCacheManager.slide``)."""
         self.status = SeqStatus.WAITING
         self.key = key
         """Queue order (smaller runs first); static, see ``policies``."""
@@ -236,6 +240,11 @@ class Sequence(_SequenceHotFields):
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Device blocks the sequence holds (its table less the released entries)."""
+        return len(self.block_table) - self.num_released
 
     @property
     def slots_needed(self) -> int:

@@ -84,6 +84,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         vocab_size: int | None = None,
         proposer: Proposer | None = None,
         drafting: bool = False,
+        kv_window: int = 0,
     ) -> None:
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
@@ -112,6 +113,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             num_cpu_blocks=config.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.prefix_cache_cpu_blocks,
+            window=kv_window if config.free_out_of_window_blocks else 0,
         )
         self.order = make_queue_order(config)
         self.fair_share = FairShareRounds()
@@ -127,8 +129,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         """Cache-aware admission, when on: which waiting sequence goes next."""
         self.victims = VictimPolicy(config.max_preemptions)
         self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
-        self.watermark_blocks = config.watermark_blocks(config.num_gpu_blocks)
-        self.capacity_blocks = config.num_gpu_blocks - self.watermark_blocks
+        self.watermark_blocks = config.watermark_blocks(self.kv.pool.num_blocks)
+        self.capacity_blocks = self.kv.pool.num_blocks - self.watermark_blocks
 
         self.waiting = SeqQueue()
         self.swapped = SeqQueue()
@@ -315,6 +317,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         pool = kv.pool
         ref_cnt = pool.ref_cnt
         last_slot = bs - 1
+        window = kv.window
         num_scheduled = step.num_scheduled
         sampling = step.sampling
         index = 0
@@ -326,6 +329,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             if pending and self._result_needed(seq):
                 index += 1  # it may end with the token in flight: wait for it
                 continue
+            if window and (computed - window + 1) // bs > seq.num_released:
+                self._slide(seq, step)
             if (
                 proposal_length
                 and num_new == 1
@@ -518,7 +523,19 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 return
             self._preempt(victim, step)
 
+    def _slide(self, seq: Sequence, step: InflightStep) -> None:
+        """Release ``seq``'s blocks behind every layer's window (workers that hold the
+        sequence are told; a new one's table carries the null entries)."""
+        released = self.kv.slide(seq)
+        if released and seq.on_worker:
+            null = self.kv.null_block
+            step.block_updates.append(
+                BlockUpdate(seq_id=seq.seq_id, replaced=[(i, null) for i in released])
+            )
+
     def _schedule_seq(self, seq: Sequence, num_new: int, step: InflightStep) -> None:
+        if self.kv.window:
+            self._slide(seq, step)
         appended, cow = self.kv.append(seq, num_new)
         step.add(seq, num_new, appended, cow)
         request = seq.request
@@ -530,6 +547,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         seq = self.running.pop(index)
         self._running_forks -= seq.pending_forks
         mode = self.cost_model.choose(seq, self.kv.cpu_pool.num_free)
+        if self.kv.window and step.block_updates:  # it may have slid in this plan
+            step.block_updates = [u for u in step.block_updates if u.seq_id != seq.seq_id]
         self._forget_on_worker(seq)
         seq.num_preemptions += 1
         if mode == "swap":

@@ -57,7 +57,7 @@ def test_duplicate_blocks_computed_in_one_chunk_keep_an_exact_hash_chain() -> No
     kv.swap_out(first)
     hits = kv.find_swap_hits(first)
     assert hits == second.block_table
-    assert kv.pool.block_key[hits[2]] == (hits[1], tuple(PROMPT[8:12]))
+    assert kv.pool.block_key[hits[2]] == (kv.pool.entry[hits[1]], tuple(PROMPT[8:12]))
     assert kv.pool.block_key[hits[0]] == (NO_PARENT, tuple(PROMPT[:4]))
 
 
@@ -71,7 +71,7 @@ def test_a_hash_collision_costs_the_hit_never_the_kv() -> None:
     chunk(kv, first, BS)  # block 0 cached
     (impostor,) = kv.pool.allocate(1)
     hashes = chain(PROMPT)
-    kv.pool.cache(impostor, hashes[1], (first.block_table[0], (9, 9, 9, 9)))
+    kv.pool.cache(impostor, hashes[1], (kv.pool.entry[first.block_table[0]], (9, 9, 9, 9)))
     second = make_seq(PROMPT)
     assert kv.find_prefix(second) == first.block_table[:1]
     third = make_seq([1, 2, 3, 4, *PROMPT[4:]])  # another first block, same second
@@ -90,3 +90,24 @@ def test_prefix_statistics_add_up_over_admissions() -> None:
         chunk(kv, again, len(PROMPT) - again.num_computed_tokens)
     assert kv.queried_tokens == 3 * len(PROMPT)
     assert kv.hit_tokens == 2 * 5 * BS
+
+
+def test_a_key_never_names_a_parent_evicted_and_cached_again() -> None:
+    # A child's key names its parent's cache entry, not the block: once the parent is
+    # evicted and its block caches other content, the child no longer continues it,
+    # even under that content's hash (what a collision would look like).
+    kv = make_kv(num_gpu_blocks=4)
+    first = make_seq(PROMPT[:8])
+    kv.admit(first, kv.find_prefix(first))
+    chunk(kv, first, 8)  # blocks 0, 1 cached
+    parent, child = first.block_table
+    kv.pool.release([parent])  # the parent alone goes back (a slid window's release)
+    first.block_table = [child]
+    assert parent in kv.pool.allocate(kv.pool.num_free)  # evicted on the way
+    assert kv.pool.block_hash[parent] is None
+    other = (7, 7, 7, 7)
+    kv.pool.cache(parent, chain(list(other))[0], (NO_PARENT, other))
+    hashes = chain([*other, *PROMPT[4:8]])
+    kv.pool.cached[hashes[1]] = child  # the collision: the child under the new chain's hash
+    kv.pool.block_hash[child] = hashes[1]
+    assert kv.find_prefix(make_seq([*other, *PROMPT[4:8], 5])) == [parent]

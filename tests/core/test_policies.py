@@ -302,7 +302,7 @@ def cost_model(mode: str = "auto") -> PreemptionCostModel:
 
 def victim(num_blocks: int, num_tokens: int | None = None) -> SimpleNamespace:
     tokens = num_blocks * BLOCK_SIZE if num_tokens is None else num_tokens
-    return SimpleNamespace(block_table=list(range(num_blocks)), num_computed_tokens=tokens)
+    return SimpleNamespace(num_device_blocks=num_blocks, num_computed_tokens=tokens)
 
 
 def test_cost_formulas() -> None:

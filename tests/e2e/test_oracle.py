@@ -17,7 +17,7 @@ from support.hf_reference import PROMPTS, Oracle
 from support.schedules import SCENARIOS
 
 from expeditor.llm import LLM
-from gpu_worker.tiny_model import ARCHS
+from gpu_worker.tiny_model import ARCHS, SLIDING_WINDOW
 from ipc.schema import BatchPlan, StepResult
 from scheduler_svc.core.introspection import check_invariants
 from shared.sampling import SamplingParams
@@ -81,6 +81,10 @@ def test_greedy_matches_transformers(
         assert completion.token_ids == expected[index], f"prompt {index} ({scenario})"
     sched = llm.scheduler
     assert check_invariants(sched) == []
+    # Mistral windows every layer: its blocks behind the window were given back.
+    windowed = llm.runner.config.model_type == "mistral"
+    assert (sched.kv.window == SLIDING_WINDOW) == windowed
+    assert (sched.kv.released_blocks > 0) == windowed
     if scenario == "chunked":
         assert max(p.total_tokens for p in log.plans) <= 16
         assert any(

@@ -31,10 +31,12 @@ class Harness:
         eos_at: dict[str, int] | None = None,
         *,
         kv_bytes_per_block: int = 1 << 20,
+        kv_window: int = 0,
         **config: object,
     ) -> None:
         """``config``: SchedulerConfig fields over the defaults below; ``eos_at``: the
-        fake model's EOS positions (request id -> 1-based output index)."""
+        fake model's EOS positions (request id -> 1-based output index); ``kv_window``:
+        the model's sliding window on every layer (a worker hello's)."""
         defaults: dict[str, object] = {
             "block_size": BS,
             "num_gpu_blocks": 64,
@@ -54,6 +56,7 @@ class Harness:
             self.cfg,
             eos_token_ids=[self.model.eos_token_id],
             kv_bytes_per_block=kv_bytes_per_block,
+            kv_window=kv_window,
         )
         self.worker = FakeWorker(
             self.model,
@@ -61,6 +64,7 @@ class Harness:
             num_gpu_blocks=self.cfg.num_gpu_blocks or 0,
             num_cpu_blocks=self.cfg.num_cpu_blocks,
             verify_kv=True,
+            window=self.sched.kv.window,
         )
         self.engine = StepEngine(self.sched, InlineExecutor(self._execute), check_invariants=True)
         self.plans: list[BatchPlan] = []
@@ -158,6 +162,7 @@ def restart_worker(h: Harness) -> None:
         num_gpu_blocks=h.cfg.num_gpu_blocks or 0,
         num_cpu_blocks=h.cfg.num_cpu_blocks,
         verify_kv=True,
+        window=h.sched.kv.window,
     )
     h.worker.cpu_kv = cpu_kv
 

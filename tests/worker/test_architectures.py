@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from expeditor.llm import LLM
 from gpu_worker import tiny_model
-from gpu_worker.architectures import SUPPORTED, check_supported
+from gpu_worker.architectures import SUPPORTED, check_supported, kv_window, layer_windows
+from gpu_worker.lean_model import LeanDecoder
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import ARCHS, make_tiny_model
 from scheduler_svc.launch import running_server
@@ -89,6 +90,29 @@ def test_sliding_windows_are_on_where_declared_and_change_the_output(
     config.sliding_window = 4096  # wider than any context here: no window in effect
     config.save_pretrained(path)
     assert hf_greedy(path, PROMPTS[:1], 20) != windowed
+
+
+@pytest.mark.parametrize("arch", [*sorted(WINDOWED), "llama", "phi3"])
+def test_layer_windows_are_the_ones_the_layers_apply(
+    arch: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """What the worker tells the scheduler it may release behind (``kv_window``) follows
+    from the windows the model's layers attend with: transformers' own modules say so
+    per layer where they keep one, the lean forward's layers too."""
+    path = tiny_checkpoint(arch)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    windows = layer_windows(model.config)
+    expected = [w * tiny_model.SLIDING_WINDOW for w in WINDOWED.get(arch, [0, 0])]
+    assert windows == expected
+    for layer, window in zip(model.model.layers, windows, strict=True):
+        if hasattr(layer.self_attn, "sliding_window"):
+            assert (layer.self_attn.sliding_window or 0) == window
+    if arch in ("mistral", "qwen2", "llama"):
+        lean = LeanDecoder(model, model.config)
+        assert [layer.attention.window for layer in lean.layers] == windows
+    assert kv_window(model.config) == (tiny_model.SLIDING_WINDOW if arch == "mistral" else 0)
+    with LLM(path, device="cpu", dtype=torch.float32) as llm:
+        assert llm.scheduler.kv.window == kv_window(model.config)
 
 
 def _write_config(directory: Path, config: transformers.PretrainedConfig) -> Path:

@@ -1,0 +1,191 @@
+"""Blocks behind every layer's sliding window given back (``kv_window``): the trace keeps
+every invariant and every output under chunked prefill, prefix hits, swap, recompute,
+n>1, aborts, overlap and speculation, while the fake worker checks every K/V slot the
+window reads and that nothing is written to the null block; and what a long sequence
+holds is the window's blocks, not its context's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.harness import BS, Harness, check_outputs
+from support.kv_cases import make_seq
+
+from ipc.schema import SeqStatus
+from scheduler_svc.core.introspection import check_invariants
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.simulator import Simulation
+from scheduler_svc.traces import generate_trace
+from shared.config import SchedulerConfig
+
+WINDOW = 10
+"""Keys a layer reads: ends inside a block of BS (4) tokens."""
+
+TRACE = generate_trace(
+    60,
+    seed=5,
+    prompt_len=(4, 60),
+    output_len=(1, 60),
+    arrival_rate=4.0,
+    n_choices=(1, 1, 3),
+    eos_fraction=0.3,
+    abort_fraction=0.1,
+    shared_prefixes=3,
+    shared_prefix_len=12,
+)
+
+
+def config(**fields: object) -> SchedulerConfig:
+    base: dict[str, object] = {
+        "block_size": BS,
+        "num_gpu_blocks": 64,
+        "num_cpu_blocks": 48,
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 160,
+        "watermark": 0.0,
+        "long_prefill_token_threshold": 16,
+    }
+    base.update(fields)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def simulate(cfg: SchedulerConfig, *, window: int, overlap: bool, acceptance: float | None = None):
+    sim = Simulation(
+        TRACE,
+        cfg,
+        verify_kv=True,
+        check_invariants=True,
+        overlap=overlap,
+        proposal_acceptance=acceptance,
+        kv_window=window,
+    )
+    result = sim.run()
+    check_outputs(sim, result)
+    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
+    return result
+
+
+@pytest.mark.parametrize(
+    ("overlap", "mode"), [(False, "swap"), (True, "recompute"), (True, "swap")]
+)
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_trace_with_released_blocks_keeps_every_invariant_and_output(
+    overlap: bool, mode: str, caching: bool
+) -> None:
+    cfg = config(preemption_mode=mode, enable_prefix_caching=caching)
+    whole = simulate(cfg, window=0, overlap=overlap)
+    slid = simulate(cfg, window=WINDOW, overlap=overlap)
+    assert slid.summary["released_blocks"] > 100
+    assert whole.summary["released_blocks"] == 0
+    assert whole.summary["preemptions"][mode] > 0  # the pool is tight for whole contexts
+    # The same pool holds more sequences at once, and they are preempted less.
+    assert slid.summary["peak_running"] >= whole.summary["peak_running"]
+    assert sum(slid.summary["preemptions"].values()) < sum(whole.summary["preemptions"].values())
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.8])
+def test_released_blocks_and_speculative_proposals(acceptance: float) -> None:
+    """Rejected proposals give their tail blocks back, the window its head blocks."""
+    cfg = config(num_speculative_tokens=4)
+    result = simulate(cfg, window=WINDOW, overlap=True, acceptance=acceptance)
+    assert result.summary["released_blocks"] > 100
+    assert result.summary["speculation"]["proposals"] > 0
+
+
+def test_the_switch_turns_release_off() -> None:
+    result = simulate(config(free_out_of_window_blocks=False), window=WINDOW, overlap=False)
+    assert result.summary["released_blocks"] == 0
+
+
+def grow(kv: KVCacheManager, seq, num_new: int) -> list[int]:
+    """Schedule and compute ``num_new`` tokens of ``seq`` as the scheduler does."""
+    released = kv.slide(seq)
+    kv.append(seq, num_new)
+    seq.num_computed_tokens += num_new
+    return released
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_long_sequence_holds_only_its_windows_blocks(caching: bool) -> None:
+    window = 2 * BS + 2
+    kv = KVCacheManager(
+        block_size=BS,
+        num_gpu_blocks=64,
+        num_cpu_blocks=0,
+        enable_prefix_caching=caching,
+        window=window,
+    )
+    assert kv.null_block == 63 and kv.pool.num_blocks == 63
+    seq = make_seq(list(range(100, 100 + 8 * window)))
+    kv.admit(seq, kv.find_prefix(seq))
+    grow(kv, seq, BS)
+    for _ in range(8 * window - BS):
+        grow(kv, seq, 1)
+        # Every key a query from here on reads is held, and little else.
+        first_read = max(0, seq.num_computed_tokens - window + 1)
+        held = [i for i, b in enumerate(seq.block_table) if b != kv.null_block]
+        assert held[0] <= first_read // BS
+        assert len(held) <= -(-window // BS) + 2
+    assert seq.num_released == len(seq.block_table) - seq.num_device_blocks
+    assert seq.num_device_blocks <= 4  # of the 20 blocks of its context
+    kv.free(seq)
+    assert kv.pool.num_free == kv.pool.num_blocks and seq.num_released == 0
+
+
+def test_released_entries_stay_released_through_swap() -> None:
+    window = BS + 1
+    kv = KVCacheManager(
+        block_size=BS, num_gpu_blocks=32, num_cpu_blocks=32, enable_prefix_caching=True,
+        window=window,
+    )  # fmt: skip
+    seq = make_seq(list(range(200, 240)))
+    kv.admit(seq, kv.find_prefix(seq))
+    grow(kv, seq, 40)
+    grow(kv, seq, 0)  # the next step slides
+    assert seq.num_released == (40 - window + 1) // BS
+    held = seq.num_device_blocks
+    pairs = kv.swap_out(seq)
+    assert len(pairs) == held and seq.num_released and seq.block_table == []
+    assert kv.find_swap_hits(seq) == []  # its CPU blocks start after the released ones
+    assert kv.can_swap_in(seq, [], 1, 0)
+    copies, _ = kv.swap_in(seq, [])
+    assert len(copies) == held
+    assert seq.block_table[: seq.num_released] == [kv.null_block] * seq.num_released
+    assert kv.null_block not in seq.block_table[seq.num_released :]
+
+
+def test_invariants_name_a_released_block_the_window_still_reads() -> None:
+    sim = Simulation(TRACE, config(), verify_kv=True, kv_window=WINDOW)
+    sched = sim.scheduler
+    for req in TRACE[:4]:
+        sched.add_request(req.id, sim.prompt_of(req), req.params())
+    for _ in range(200):
+        if any(s.num_released for s in sched.running):
+            break
+        sim.engine.step()
+    seq = next(s for s in sched.running if s.num_released)
+    assert seq.status is SeqStatus.RUNNING and check_invariants(sched) == []
+    seq.num_released += (seq.num_computed_tokens - WINDOW + 1) // BS + 1 - seq.num_released
+    problems = check_invariants(sched)
+    assert any("still in the window" in p for p in problems), problems
+
+
+def test_a_sequence_that_slides_then_preempts_itself_leaves_no_update_behind() -> None:
+    """A prefill chunk that releases blocks behind its window and still does not fit
+    preempts its own sequence (the last running): the plan must not carry the released
+    entries of a sequence it frees."""
+    h = Harness(
+        kv_window=2 * BS,
+        num_gpu_blocks=13,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=4 * BS,
+        preemption_mode="recompute",
+    )
+    h.add("a", 2 * BS, max_tokens=40)
+    h.add("c", 6 * BS, max_tokens=20)
+    h.add("b", 10 * BS, max_tokens=4)
+    h.run()
+    assert h.sched.preemptions["recompute"] > 0
+    assert h.sched.kv.released_blocks > 0
+    h.assert_reference_outputs()
