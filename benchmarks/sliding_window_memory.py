@@ -10,6 +10,13 @@ long sequence holds beyond what its layers can read: what a per-layer-group allo
 
     .venv/bin/python benchmarks/sliding_window_memory.py                  # published layouts
     .venv/bin/python benchmarks/sliding_window_memory.py path/config.json ...
+    .venv/bin/python benchmarks/sliding_window_memory.py --measure CHECKPOINT
+
+``--measure`` runs a windowed checkpoint (e.g. ``expeditor make-tiny-model DIR --arch
+mistral``) in process, with ``free_out_of_window_blocks`` off and on, on requests whose
+contexts reach ``--context-multiple`` times its window through a fixed pool: what each
+sequence holds and what its layers read, counted from the scheduler at every step, and
+how many sequences ran at once.
 
 The published layouts are the layer counts, layer patterns and windows from each
 model's config.json on the Hugging Face hub (facts; nothing is downloaded here).
@@ -66,10 +73,90 @@ def held_share(layers: int, sliding: int, window: int, context: int) -> float:
     return (held - needed) / held
 
 
+def read_blocks(computed: int, window: int) -> int:
+    """Blocks holding the keys the next query (at position ``computed``) reads."""
+    return computed // BLOCK_SIZE - max(0, computed - window + 1) // BLOCK_SIZE + 1
+
+
+def measure(checkpoint: Path, multiple: float, num_requests: int, num_blocks: int) -> None:
+    import random
+
+    import torch
+
+    from expeditor.llm import LLM
+    from gpu_worker.architectures import kv_window
+    from shared.sampling import SamplingParams
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers, sliding, window = layout(config)
+    context = round(multiple * window)
+    output = 16
+    rng = random.Random(0)
+    prompts = [
+        [1, *(rng.randrange(3, 259) for _ in range(context - output - 1))]
+        for _ in range(num_requests)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    print(
+        f"{checkpoint.name}: {layers} layers, {sliding} windowed ({window} keys); "
+        f"{num_requests} requests reaching {context} tokens ({multiple:g} x window) through "
+        f"{num_blocks} blocks of {BLOCK_SIZE}"
+    )
+    answers = {}
+    for free in (False, True):
+        llm = LLM(
+            checkpoint, device="cpu", dtype=torch.float32, block_size=BLOCK_SIZE,
+            num_gpu_blocks=num_blocks, max_num_seqs=num_requests,
+            free_out_of_window_blocks=free, enable_prefix_caching=False,
+        )  # fmt: skip
+        assert kv_window(llm.runner.config) == window, "every layer must be windowed"
+        held = read = peak = 0
+        final: list[tuple[int, int]] = []  # (held, read) of a sequence at its last step
+        inner = llm.runner.execute
+
+        def execute(plan, llm=llm, inner=inner, final=final):  # type: ignore[no-untyped-def]
+            nonlocal held, read, peak
+            running = llm.scheduler.running
+            peak = max(peak, len(running))
+            for seq in running:
+                # After planning: the step's tokens count, its last query is at c - 1.
+                reads = read_blocks(seq.num_computed_tokens - 1, window)
+                held += seq.num_device_blocks
+                read += reads
+                if seq.num_computed_tokens == context - 1:  # the last step it computes
+                    final.append((seq.num_device_blocks, reads))
+            return inner(plan)
+
+        llm.runner.execute = execute  # type: ignore[method-assign]
+        with llm:
+            answers[free] = [c.token_ids for c in llm.generate(prompts, params)]
+        last_held = sum(h for h, _ in final) / max(1, len(final))
+        last_read = sum(r for _, r in final) / max(1, len(final))
+        print(
+            f"  free_out_of_window_blocks={str(free).lower():<5}  at most {peak:>3} "
+            f"sequences at once; held but unread: {100 * (1 - read / held):5.1f}% over the "
+            f"run, {100 * (1 - last_read / last_held):5.1f}% at the {context}-token context "
+            f"({last_held:.1f} blocks held, {last_read:.0f} read)"
+        )
+    print(
+        f"  layout arithmetic at {context} tokens: "
+        f"{100 * held_share(layers, sliding, window, context):.1f}% held but unread "
+        "(it counts ceil(window / block) + 1 blocks read, the most a window can straddle)"
+    )
+    print(f"  same tokens with and without: {answers[False] == answers[True]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", type=Path, help="config.json files")
+    parser.add_argument("--measure", type=Path, help="a windowed checkpoint to run")
+    parser.add_argument("--context-multiple", type=float, default=8.0)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-gpu-blocks", type=int, default=88)
     args = parser.parse_args()
+    if args.measure:
+        measure(args.measure, args.context_multiple, args.num_requests, args.num_gpu_blocks)
+        return
     rows = dict(PUBLISHED)
     for path in args.configs:
         rows[str(path)] = layout(json.loads(path.read_text()))

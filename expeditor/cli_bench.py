@@ -33,7 +33,10 @@ constrained); lookup (chat requests asking to repeat, edit or extend a passage o
 prompt, through the model's chat template: by default against expeditor and
 expeditor[num_speculative_tokens=4], prompt lookup's gain); multi-turn (conversations
 re-sending their histories through a device pool a third of their working set: by
-default against expeditor and one with the prefix cache's host tier); or a JSONL file of
+default against expeditor and one with the prefix cache's host tier); long-context
+(contexts 8x a sliding window through a pool a quarter of their whole contexts: by
+default against expeditor and expeditor[free_out_of_window_blocks=false], what giving
+back the blocks behind the window buys); or a JSONL file of
 requests ({"prompt_token_ids" | "prompt_len", "max_tokens", "arrival_s"}).
 
 Targets: expeditor (the daemons via the client library, streaming); inprocess (the
@@ -54,6 +57,7 @@ DEFAULT_TARGETS = {
     "json": ["expeditor", "expeditor[constraints=off]"],
     "lookup": ["expeditor", "expeditor[num_speculative_tokens=4]"],
     "multi-turn": ["expeditor", "expeditor[num_cpu_blocks=512,prefix_cache_cpu_blocks=512]"],
+    "long-context": ["expeditor[free_out_of_window_blocks=false]", "expeditor"],
 }
 """Workloads' targets unless --target says: what they measure, side by side (the cost
 of constraints; the gain of prompt lookup). Others: expeditor and static."""
@@ -66,7 +70,7 @@ def bench(
         str,
         typer.Option(
             help="skewed | poisson | shared-prefix | pressure | json | lookup | multi-turn | "
-            "FILE.jsonl"
+            "long-context | FILE.jsonl"
         ),
     ] = "skewed",
     workload_arg: Annotated[

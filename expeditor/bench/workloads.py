@@ -26,6 +26,9 @@ Built-in workloads (see :data:`WORKLOADS` and :func:`make_workload`):
 ``json``
     All at once, each request constrained to a JSON schema of its own
     (:mod:`expeditor.bench.json_workload`).
+``long-context``
+    All at once, contexts several times a sliding window, a pool whole contexts overflow
+    (:mod:`expeditor.bench.long_context_workload`).
 
 A ``.jsonl`` file can be loaded instead with :func:`from_jsonl`.
 """
@@ -512,17 +515,24 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "pressure": pressure,
 }
 """Built-in workload generators by name; each is called as ``gen(num_requests, seed=...)``
-(:func:`generators` adds ``json``, ``lookup`` and ``multi-turn``, whose modules build on
-this one)."""
+(:func:`generators` adds ``json``, ``lookup``, ``multi-turn`` and ``long-context``, whose
+modules build on this one)."""
 
 
 def generators() -> dict[str, Callable[..., Workload]]:
     """Every built-in workload generator by name, those of other modules included."""
     from expeditor.bench.json_workload import json_schemas
+    from expeditor.bench.long_context_workload import long_context
     from expeditor.bench.lookup_workload import lookup
     from expeditor.bench.multi_turn_workload import multi_turn
 
-    return {**WORKLOADS, "json": json_schemas, "lookup": lookup, "multi-turn": multi_turn}
+    return {
+        **WORKLOADS,
+        "json": json_schemas,
+        "lookup": lookup,
+        "multi-turn": multi_turn,
+        "long-context": long_context,
+    }
 
 
 def _check_overrides(

@@ -333,3 +333,22 @@ def test_multi_turn_turns_re_send_their_history() -> None:
     )
     with pytest.raises(ValueError, match="turns must be"):
         make_workload("multi-turn", 12, turns=0)
+
+
+def test_long_context_requests_reach_a_multiple_of_the_window() -> None:
+    load = make_workload("long-context", 10, seed=2, window=20, output_len=[8, 12])
+    assert load.name == "long-context" and len(load.requests) == 10
+    for request in load.requests:
+        assert len(request.prompt_token_ids) + request.max_tokens == 160  # 8 x 20
+        assert 8 <= request.max_tokens <= 12 and request.arrival_s == 0.0
+        assert request.prompt_token_ids[0] == 1 and request.ignore_eos
+    assert len({tuple(r.prompt_token_ids) for r in load.requests}) == 10
+    assert load.config == {"num_gpu_blocks": int(0.25 * 10 * 10), "block_size": 16}
+    assert make_workload("long-context", 1).config["num_gpu_blocks"] == 12  # one context + 1
+    again = make_workload("long-context", 10, seed=2, window=20, output_len=[8, 12])
+    assert again.requests == load.requests
+    assert make_workload("long-context", 10, seed=3).requests != load.requests
+    with pytest.raises(ValueError, match="window must be"):
+        make_workload("long-context", 4, window=0)
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        make_workload("long-context", 4, window=4, context_multiple=2, output_len=[8, 8])
