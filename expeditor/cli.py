@@ -97,6 +97,15 @@ def simulate(
             "model's with this probability (unset: prompt lookup, as served).",
         ),
     ] = None,
+    kv_window: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The fake model's sliding window on every layer (a worker's hello says "
+            "it for such a model): blocks behind it are given back "
+            "(free_out_of_window_blocks); 0 = every layer reads the whole context.",
+        ),
+    ] = 0,
     *,
     config_overrides: dict[str, Any],
 ) -> None:
@@ -128,6 +137,7 @@ def simulate(
         verify_kv=verify_kv,
         check_invariants=check_invariants,
         proposal_acceptance=proposal_acceptance,
+        kv_window=kv_window,
     )
     try:
         result = sim.run(on_step)

@@ -190,7 +190,15 @@ class WorkerDaemon:
         except Exception as exc:  # loading can fail in many ways; all are fatal here
             return self._fail(f"{type(exc).__name__}: {exc}")
         self._send(hello)
-        log.info("rank %d ready on %s: %d KV blocks", self.rank, self.device, hello.num_gpu_blocks)
+        log.info(
+            "rank %d ready on %s: %d KV blocks%s",
+            self.rank,
+            self.device,
+            hello.num_gpu_blocks,
+            f"; every layer windowed (kv_window {hello.kv_window}): blocks behind it go back"
+            if hello.kv_window
+            else "",
+        )
         return self._serve_plans()
 
     def _serve_plans(self) -> int:
