@@ -38,7 +38,14 @@ import torch
 from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
-from gpu_worker.attention.torch_backend import Caches, Group, attend_group, plan_groups
+from gpu_worker.attention.torch_backend import (
+    Caches,
+    Group,
+    attend_group,
+    plan_groups,
+    store_index,
+    store_layer,
+)
 from gpu_worker.kernels.attention_args import AttentionParams
 from gpu_worker.kernels.warmup import CacheLayout
 from shared.paths import cache_dir
@@ -127,6 +134,9 @@ class NativeKernels:
         self.tiles = True
         """With ``avx512``: attend in tiles of 16 keys (block sizes a multiple of 16,
         head_dim a multiple of 32, no soft-capping); else, or False, vector by vector."""
+        self._attend_q8 = getattr(lib, f"expeditor_paged_attention_q8_{SUFFIXES[dtype]}")
+        self._attend_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P]
+        self._attend_q8.argtypes += [_P, _P, _I, _I, _I, _I, _I, _F, _I, _F]
         self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
         self._store.restype = None
         self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
@@ -139,18 +149,31 @@ class NativeKernels:
         )
 
     def attend(
-        self, q: Tensor, caches: Caches, step: NativeStep, out: Tensor, p: AttentionParams
+        self,
+        q: Tensor,
+        caches: Caches,
+        step: NativeStep,
+        out: Tensor,
+        p: AttentionParams,
+        scales: Caches | None = None,
     ) -> None:
         """Attention of ``step``'s sequences into their rows of ``out``: those of at most
-        :data:`PROMPT_ROWS` query rows, or all in a soft-capped layer."""
+        :data:`PROMPT_ROWS` query rows, or all in a soft-capped layer. ``scales``: an
+        int8 cache's (``caches`` then hold its codes)."""
         seqs = step.all_seqs if p.softcap else step.kernel_seqs
         if not len(seqs):
             return
         cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
         tables = (step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr())
         shape = (seqs.data_ptr(), len(seqs), q.shape[1], *caches[0].shape[1:])
-        args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
-        if self._attend(*args, p.scale, p.window, p.softcap, self.tiles):
+        if scales is None:
+            args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
+            failed = self._attend(*args, p.scale, p.window, p.softcap, self.tiles)
+        else:
+            cache += (scales[0].data_ptr(), scales[1].data_ptr(), scales[0].stride(0))
+            args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
+            failed = self._attend_q8(*args, p.scale, p.window, p.softcap)
+        if failed:
             raise ValueError("native attention refused the shapes")
 
 
@@ -173,6 +196,8 @@ def load(
     """This process's kernels for the layout, or None and why not."""
     if device.type != "cpu" or layout.dtype not in SUFFIXES:
         return None, f"{layout.dtype} on {device.type} (the kernel: float32, bfloat16 on a CPU)"
+    if layout.kv_dtype not in (None, torch.int8):
+        return None, f"a {layout.kv_dtype} KV cache (the kernel reads int8 codes, no fp8)"
     if layout.head_dim > MAX_HEAD_DIM or layout.block_size > MAX_BLOCK_SIZE:
         return None, f"head_dim or block_size beyond the kernel's {MAX_HEAD_DIM}"
     kernels = _loaded(layout.dtype)
@@ -198,6 +223,8 @@ class NativeStep:
     caches_checked: bool = False
     """The step's first layer found its caches in the kernel's layout (every layer's
     caches are views of one KV tensor: the same dtype and strides)."""
+    quantized_store: tuple[tuple[Tensor, Tensor], Tensor | None] | None = None
+    """An int8 cache's: where the new rows' codes and scales go (``store_index``)."""
 
 
 def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
@@ -247,13 +274,18 @@ class NativeBackend(AttentionBackend):
         some, short = torch.from_numpy(q_lens > 0), torch.from_numpy(q_lens <= PROMPT_ROWS)
         seqs = (some.nonzero().view(-1), (some & short).nonzero().view(-1))
         covered = first == 0 and last == slots.shape[0]
-        return NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
+        step = NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
+        if self.layout.kv_dtype is not None:
+            step.quantized_store = store_index(arrays, block_size, self.device)
+        return step
 
     def forward(
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
     ) -> Tensor:
         step: NativeStep = meta.plan
         key_cache, value_cache = caches = meta.layer_caches[layer]
+        if meta.layer_scales is not None:
+            return self._forward_int8(step, caches, meta.layer_scales[layer], q, k, v, p)
         dtype = self.kernels.dtype
         rows = (t.dtype == dtype and t.stride(2) == 1 for t in (q, k, v))
         if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
@@ -269,4 +301,40 @@ class NativeBackend(AttentionBackend):
         self.kernels.attend(q, caches, step, out, p)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p)
+        return out
+
+    def _forward_int8(
+        self,
+        step: NativeStep,
+        caches: Caches,
+        scales: Caches,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        p: AttentionParams,
+    ) -> Tensor:
+        """An int8 cache: codes and scales stored as the torch backend stores them, the
+        kernel dequantizing each block tile it reads (prompt groups as torch's do)."""
+        if q.dtype != self.kernels.dtype or q.stride(2) != 1:
+            raise ValueError(f"native attention takes {self.kernels.dtype} queries")
+        if not step.caches_checked:
+            codes = caches[0]
+            inner = (codes.shape[2] * codes.shape[3], codes.shape[3], 1)
+            rows = (scales[0].shape[2], 1)
+            if not (
+                codes.dtype == caches[1].dtype == torch.int8
+                and tuple(codes.stride()[1:]) == inner == tuple(caches[1].stride()[1:])
+                and codes.stride(0) == caches[1].stride(0)
+                and scales[0].dtype == scales[1].dtype == torch.float16
+                and tuple(scales[0].stride()[1:]) == rows == tuple(scales[1].stride()[1:])
+                and scales[0].stride(0) == scales[1].stride(0)
+            ):
+                raise ValueError("native attention takes int8 caches, contiguous in a block")
+            step.caches_checked = True
+        assert step.quantized_store is not None
+        k, v = store_layer(caches, scales, *step.quantized_store, k, v, q.dtype)
+        out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
+        self.kernels.attend(q, caches, step, out, p, scales)
+        for g in () if p.softcap else step.groups:
+            attend_group(g, out, q, k, v, caches, p, scales)
         return out

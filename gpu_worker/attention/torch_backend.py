@@ -103,6 +103,44 @@ def plan_groups(
     return groups
 
 
+def store_index(
+    arrays: StepArrays, block_size: int, device: torch.device
+) -> tuple[tuple[Tensor, Tensor], Tensor | None]:
+    """Where a step's new rows go: (block, offset) of each stored token, and which of the
+    tokens those are (None: all)."""
+    slots = np.asarray(arrays["slot_mapping"], dtype=np.int64)
+    kept = np.flatnonzero(slots >= 0)
+    store = (_tensor(slots[kept] // block_size, device), _tensor(slots[kept] % block_size, device))
+    return store, None if kept.size == slots.size else _tensor(kept, device)
+
+
+def store_layer(
+    caches: Caches,
+    scales: Caches | None,
+    store: tuple[Tensor, Tensor],
+    stored: Tensor | None,
+    k: Tensor,
+    v: Tensor,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Store a layer's new K/V rows (:func:`store_index`'s places); returns them as a
+    cache read gives them back, in ``dtype``. With ``scales`` (a quantized cache, whose
+    ``caches`` hold codes) the rows are stored as codes and scales, and come back
+    dequantized."""
+    key_cache, value_cache = caches
+    if scales is not None:
+        (k_codes, k_scale), (v_codes, v_scale) = (quantize(x, key_cache.dtype) for x in (k, v))
+        stores = [(key_cache, k_codes), (value_cache, v_codes)]
+        stores += [(scales[0], k_scale), (scales[1], v_scale)]
+        k, v = dequantize(k_codes, k_scale, dtype), dequantize(v_codes, v_scale, dtype)
+    else:
+        stores = [(key_cache, k), (value_cache, v)]
+    for cache, rows in stores:
+        kept = rows if stored is None else rows[stored]
+        cache.index_put_(store, kept.to(cache.dtype))
+    return k, v
+
+
 def attend_group(
     g: Group,
     out: Tensor,
@@ -172,10 +210,7 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, arrays: StepArrays, num_blocks: int, *, capture: bool = False) -> TorchStep:
         bs, device = self.layout.block_size, self.device
-        slots = np.asarray(arrays["slot_mapping"], dtype=np.int64)
-        kept = np.flatnonzero(slots >= 0)
-        store = (_tensor(slots[kept] // bs, device), _tensor(slots[kept] % bs, device))
-        stored = None if kept.size == slots.size else _tensor(kept, device)
+        store, stored = store_index(arrays, bs, device)
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
         return TorchStep(store, stored, plan_groups(arrays, bs, kv_row, device))
 
@@ -183,18 +218,9 @@ class TorchBackend(AttentionBackend):
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
     ) -> Tensor:
         step: TorchStep = meta.plan
-        key_cache, value_cache = caches = meta.layer_caches[layer]
+        caches = meta.layer_caches[layer]
         scales = None if meta.layer_scales is None else meta.layer_scales[layer]
-        if scales is not None:  # codes and scales stored; attended as a read gives them
-            (k_codes, k_scale), (v_codes, v_scale) = (quantize(x, key_cache.dtype) for x in (k, v))
-            stores = [(key_cache, k_codes), (value_cache, v_codes)]
-            stores += [(scales[0], k_scale), (scales[1], v_scale)]
-            k, v = dequantize(k_codes, k_scale, q.dtype), dequantize(v_codes, v_scale, q.dtype)
-        else:
-            stores = [(key_cache, k), (value_cache, v)]
-        for cache, rows in stores:
-            kept = rows if step.stored is None else rows[step.stored]
-            cache.index_put_(step.store, kept.to(cache.dtype))
+        k, v = store_layer(caches, scales, step.store, step.stored, k, v, q.dtype)
         out = torch.zeros_like(q)
         for g in step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)

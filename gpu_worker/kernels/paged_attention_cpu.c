@@ -32,6 +32,15 @@
 #define HAVE_AVX512BF16 0
 #endif
 
+/* A quantized cache (gpu_worker/kv_quant.py): int8 codes [blocks, block_size, kv_heads,
+ * head_dim], block_stride bytes apart, and a float16 scale per row [blocks, block_size,
+ * kv_heads], scale_stride halves apart. */
+typedef struct {
+    const int8_t *keys, *values;
+    const uint16_t *key_scales, *value_scales;
+    int64_t block_stride, scale_stride;
+} Q8;
+
 #define MAX_VECTORS 16   /* query vectors attended together (per KV head) */
 #define TILE_KV_HEADS 8  /* KV heads attended together in tiles */
 #define MAX_HEAD_DIM 256
@@ -175,6 +184,33 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* float16 -> float32 (a quantized cache's scales; subnormals included). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112u) << 23) | mant << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Rows [0, n) of an int8 block for one KV head, times their float16 scales, into
+ * out[j * head_dim + d]: codes key_row apart, scales num_kv_heads apart. */
+static inline void dequantize_rows(float *out, const int8_t *codes, const uint16_t *scales,
+                                   int64_t n, int64_t key_row, int64_t num_kv_heads,
+                                   int64_t head_dim) {
+    for (int64_t j = 0; j < n; j++) {
+        const float scale = f16_to_f32(scales[j * num_kv_heads]);
+        const int8_t *c = codes + j * key_row;
+        float *o = out + j * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = (float)c[d] * scale;
+    }
+}
+
 /* What this build uses: 1 AVX2 and FMA, 2 AVX-512 tiles, 4 AVX-512 BF16 dot products. */
 int expeditor_kernel_features(void) { return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2; }
 
@@ -285,6 +321,41 @@ static inline __attribute__((always_inline)) void NAME(block_values)(
     }
 }
 
+/* A block's scores soft-capped and masked, then turned into the online softmax's weights
+ * (scores[r][j] = exp(score - running max)), the running sums and accumulators rescaled. */
+static inline __attribute__((always_inline)) void NAME(mask_and_weigh)(
+    float *scores_buf, float *acc_buf, float *run_max, float *run_sum, const int64_t *row_pos,
+    int64_t nv, int64_t base, int64_t n_slots, int64_t low_pos, int64_t hi,
+    const int64_t head_dim, int64_t block_size, int64_t window, float softcap) {
+    float(*scores)[block_size] = (float(*)[block_size])scores_buf;
+    float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
+    if (softcap > 0.0f)
+        for (int64_t r = 0; r < nv; r++)
+            for (int64_t j = 0; j < n_slots; j++)
+                scores[r][j] = softcap * tanhf(scores[r][j] / softcap);
+    /* Only a block past the lowest row's position, or (windowed) reaching below the
+     * highest row's window, has keys some row must not see. */
+    if (base + n_slots - 1 > low_pos || (window > 0 && base <= hi - window))
+        for (int64_t r = 0; r < nv; r++)
+            for (int64_t j = 0; j < n_slots; j++) {
+                const int64_t key = base + j;
+                if (key > row_pos[r] || (window > 0 && key <= row_pos[r] - window))
+                    scores[r][j] = -INFINITY;
+            }
+    for (int64_t r = 0; r < nv; r++) {
+        const float top = block_max(scores[r], n_slots);
+        if (top == -INFINITY) {
+            for (int64_t j = 0; j < n_slots; j++) scores[r][j] = 0.0f;
+            continue;
+        }
+        const float alpha = raise_max(&run_max[r], top);
+        const float total = exp_shifted(scores[r], n_slots, run_max[r]);
+        run_sum[r] = run_sum[r] * alpha + total;
+        if (alpha != 1.0f)
+            for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
+    }
+}
+
 /* One sequence's query vectors v0 .. v0 + nv of KV head kv; head_dim is a constant in
  * the specialised copies below (the compiler then unrolls the head_dim loops). */
 static inline __attribute__((always_inline)) void NAME(attend_vectors)(
@@ -292,12 +363,11 @@ static inline __attribute__((always_inline)) void NAME(attend_vectors)(
     const T *value_cache, T *out, int64_t o_tok, int64_t o_head, const int32_t *table,
     int64_t q0, int64_t first_pos, int64_t per_kv, int64_t kv, int64_t v0, int64_t nv,
     int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, float softcap) {
+    float scale, int64_t window, float softcap, const Q8 *q8) {
     float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
     float scores_buf[MAX_VECTORS * block_size];
     float(*qv)[head_dim] = (float(*)[head_dim])qv_buf;
     float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
-    float(*scores)[block_size] = (float(*)[block_size])scores_buf;
     float run_max[MAX_VECTORS], run_sum[MAX_VECTORS];
     int64_t row_pos[MAX_VECTORS];
     /* Rows grow with the vectors: the first has the lowest position, the last the highest. */
@@ -319,6 +389,23 @@ static inline __attribute__((always_inline)) void NAME(attend_vectors)(
         const int64_t base = b * block_size;
         const int64_t n_slots = hi + 1 - base < block_size ? hi + 1 - base : block_size;
         const int64_t block = table[b];
+        if (q8) { /* a quantized cache: the block's rows of this KV head as floats */
+            const int64_t codes = block * q8->block_stride + kv * head_dim;
+            const int64_t scales = block * q8->scale_stride + kv;
+            const int64_t heads = key_row / head_dim;
+            float kf[block_size * head_dim], vf[block_size * head_dim];
+            dequantize_rows(kf, q8->keys + codes, q8->key_scales + scales, n_slots, key_row,
+                            heads, head_dim);
+            dequantize_rows(vf, q8->values + codes, q8->value_scales + scales, n_slots,
+                            key_row, heads, head_dim);
+            block_scores_f32(qv_buf, nv, kf, head_dim, n_slots, head_dim, scores_buf,
+                             block_size);
+            NAME(mask_and_weigh)(scores_buf, acc_buf, run_max, run_sum, row_pos, nv, base,
+                                 n_slots, low_pos, hi, head_dim, block_size, window, softcap);
+            block_values_f32(acc_buf, nv, vf, head_dim, n_slots, head_dim, scores_buf,
+                             block_size);
+            continue;
+        }
         const T *kb = key_cache + block * block_stride + kv * head_dim;
         const T *vb = value_cache + block * block_stride + kv * head_dim;
         if ((b + 1) * block_size <= hi) { /* the next block is a jump: fetch it early */
@@ -329,31 +416,8 @@ static inline __attribute__((always_inline)) void NAME(attend_vectors)(
             }
         }
         NAME(block_scores)(qv_buf, nv, kb, key_row, n_slots, head_dim, scores_buf, block_size);
-        if (softcap > 0.0f)
-            for (int64_t r = 0; r < nv; r++)
-                for (int64_t j = 0; j < n_slots; j++)
-                    scores[r][j] = softcap * tanhf(scores[r][j] / softcap);
-        /* Only a block past the lowest row's position, or (windowed) reaching below
-         * the highest row's window, has keys some row must not see. */
-        if (base + n_slots - 1 > low_pos || (window > 0 && base <= hi - window))
-            for (int64_t r = 0; r < nv; r++)
-                for (int64_t j = 0; j < n_slots; j++) {
-                    const int64_t key = base + j;
-                    if (key > row_pos[r] || (window > 0 && key <= row_pos[r] - window))
-                        scores[r][j] = -INFINITY;
-                }
-        for (int64_t r = 0; r < nv; r++) {
-            const float top = block_max(scores[r], n_slots);
-            if (top == -INFINITY) {
-                for (int64_t j = 0; j < n_slots; j++) scores[r][j] = 0.0f;
-                continue;
-            }
-            const float alpha = raise_max(&run_max[r], top);
-            const float total = exp_shifted(scores[r], n_slots, run_max[r]);
-            run_sum[r] = run_sum[r] * alpha + total;
-            if (alpha != 1.0f)
-                for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
-        }
+        NAME(mask_and_weigh)(scores_buf, acc_buf, run_max, run_sum, row_pos, nv, base, n_slots,
+                             low_pos, hi, head_dim, block_size, window, softcap);
         NAME(block_values)(acc_buf, nv, vb, key_row, n_slots, head_dim, scores_buf, block_size);
     }
     for (int64_t r = 0; r < nv; r++) {
@@ -518,16 +582,16 @@ static inline __attribute__((always_inline)) void NAME(attend_tiles)(
 #define ATTEND(D)                                                                            \
     NAME(attend_vectors)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0,  \
                    first_pos, per_kv, kv, v0, nv, key_row, block_stride, D, block_size, scale, \
-                   window, softcap)
+                   window, softcap, q8)
 
-int NAME(expeditor_paged_attention)(
+static int NAME(paged_attention)(
     const T *q, int64_t q_tok, int64_t q_head,
     const T *key_cache, const T *value_cache, int64_t block_stride,
     T *out, int64_t o_tok, int64_t o_head,
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
     int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, float softcap, int tiles) {
+    float scale, int64_t window, float softcap, int tiles, const Q8 *q8) {
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0 ||
         num_heads % num_kv_heads != 0)
         return -1;
@@ -543,7 +607,7 @@ int NAME(expeditor_paged_attention)(
         const int64_t first_pos = n_keys - n_rows;
         const int64_t n_vectors = n_rows * per_kv;
 #if HAVE_AVX512
-        if (tiles && softcap <= 0.0f && block_size % 16 == 0 && head_dim % 32 == 0) {
+        if (tiles && !q8 && softcap <= 0.0f && block_size % 16 == 0 && head_dim % 32 == 0) {
             for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS)
                 for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += TILE_KV_HEADS) {
                     const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
@@ -571,6 +635,38 @@ int NAME(expeditor_paged_attention)(
             }
     }
     return 0;
+}
+
+int NAME(expeditor_paged_attention)(
+    const T *q, int64_t q_tok, int64_t q_head,
+    const T *key_cache, const T *value_cache, int64_t block_stride,
+    T *out, int64_t o_tok, int64_t o_head,
+    const int32_t *tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+    int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, float softcap, int tiles) {
+    return NAME(paged_attention)(q, q_tok, q_head, key_cache, value_cache, block_stride, out,
+                                 o_tok, o_head, tables, table_stride, seq_lens, query_start_loc,
+                                 seqs, n_seqs, num_heads, block_size, num_kv_heads, head_dim,
+                                 scale, window, softcap, tiles, 0);
+}
+
+/* The same over an int8 cache (Q8's layout): each block's rows of a KV head are
+ * dequantized into float32 once per query group, then attended as a float32 cache is. */
+int NAME(expeditor_paged_attention_q8)(
+    const T *q, int64_t q_tok, int64_t q_head,
+    const int8_t *key_codes, const int8_t *value_codes, int64_t code_stride,
+    const uint16_t *key_scales, const uint16_t *value_scales, int64_t scale_stride,
+    T *out, int64_t o_tok, int64_t o_head,
+    const int32_t *tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+    int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, float softcap) {
+    const Q8 q8 = {key_codes, value_codes, key_scales, value_scales, code_stride, scale_stride};
+    return NAME(paged_attention)(q, q_tok, q_head, 0, 0, 0, out, o_tok, o_head, tables,
+                                 table_stride, seq_lens, query_start_loc, seqs, n_seqs,
+                                 num_heads, block_size, num_kv_heads, head_dim, scale, window,
+                                 softcap, 0, &q8);
 }
 
 /* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */

@@ -221,8 +221,11 @@ def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     backend, reason = attention.choose_backend(cpu, wide, 4, {})
     assert backend.name == "torch" and "beyond" in reason
     int8 = SimpleNamespace(**{**vars(layout), "kv_dtype": torch.int8}, dtype=torch.float32)
-    backend, reason = attention.choose_backend(cpu, int8, 4, {})  # the C kernel reads no codes
-    assert backend.name == "torch" and "torch.int8 KV cache" in reason
+    backend, reason = attention.choose_backend(cpu, int8, 4, {})  # the C kernel reads int8
+    assert backend.name == "native"
+    fp8 = SimpleNamespace(**{**vars(layout), "kv_dtype": torch.float8_e5m2}, dtype=torch.float32)
+    backend, reason = attention.choose_backend(cpu, fp8, 4, {})  # but no fp8 codes
+    assert backend.name == "torch" and "torch.float8_e5m2 KV cache" in reason
     backend, reason = attention.choose_backend(cpu, int8, 4, {"EXPEDITOR_FORCE_TRITON": "1"})
     assert backend.name == "triton"
     assert backend_for("native", kv, 4).name == "native"

@@ -1,15 +1,19 @@
 """The quantized KV cache: codes and scales, the block as bytes, the torch backend's
 attention over it against the reference over the dequantized cache, and the Triton
-kernels (under the interpreter) against the torch backend."""
+kernels (under the interpreter) and the native C kernel (int8) against the torch
+backend."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from support.attention_cases import TOL
 from torch import Tensor
 
-from gpu_worker.attention import AttentionBackend, StepMetadata
+from gpu_worker.attention import AttentionBackend, StepMetadata, choose_backend
 from gpu_worker.attention.torch_backend import TorchBackend, paged_attention_ref
 from gpu_worker.attention.triton_backend import TritonBackend
 from gpu_worker.kernels.attention_args import layer_params
@@ -191,3 +195,39 @@ def test_the_triton_kernels_store_and_read_codes_as_the_torch_backend(
         schedule=schedule, scales=ours.layer_scales[1],
     )  # fmt: skip
     torch.testing.assert_close(split, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), KINDS)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_native_kernel_reads_int8_codes_as_the_torch_backend(
+    window: int | None, softcap: float | None, model_dtype: torch.dtype
+) -> None:
+    """The C kernel dequantizes each block tile it reads: the same bytes stored as the
+    torch backend's, the same attention (decodes, a chunk after a prefix, a whole
+    prompt through the prompt groups), in float32 and bfloat16 queries."""
+    cpu = torch.device("cpu")
+    ours, arrays, qkv = quantized_step(torch.int8)
+    theirs, _, _ = quantized_step(torch.int8)
+    for cache in (ours, theirs):
+        cache.layout = dataclasses.replace(cache.layout, dtype=model_dtype)
+    qkv = [x.to(model_dtype) for x in qkv]
+    backend, reason = choose_backend(cpu, ours.layout, HEADS, {})
+    if backend.name != "native":
+        pytest.skip(f"no native kernel here: {reason}")
+    p = layer_params(DIM**-0.5, window, softcap)
+    out = forward(backend, ours, arrays, qkv, p)
+    want = forward(TorchBackend(theirs.layout, HEADS, cpu), theirs, arrays, qkv, p)
+    assert torch.equal(ours.kv, theirs.kv)  # the same codes and scales stored
+    # bfloat16: torch rounds the decoded rows to bf16, the kernel keeps them in float32.
+    atol, rtol = (2e-5, 1e-5) if model_dtype == torch.float32 else TOL[torch.bfloat16]
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+    assert out.abs().sum() > 0
+
+
+def test_fp8_caches_stay_on_the_torch_backend_on_a_cpu() -> None:
+    layout = KVLayout(
+        num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BS,
+        dtype=torch.float32, kv_dtype=torch.float8_e4m3fn,
+    )  # fmt: skip
+    backend, reason = choose_backend(torch.device("cpu"), layout, HEADS, {})
+    assert backend.name == "torch" and "float8_e4m3fn" in reason
