@@ -20,6 +20,7 @@ from expeditor.bench.workloads import (
     BenchRequest,
     Workload,
     check_count,
+    check_pool_hint,
     check_range,
     check_vocab,
     random_prompt,
@@ -62,10 +63,7 @@ def long_context(
             f"a context of {context} tokens ({context_multiple:g} x window {window}) leaves "
             f"no prompt beside up to {o_high} output tokens"
         )
-    if not (isinstance(pool_fraction, int | float) and 0 < pool_fraction <= 1):
-        raise ValueError(f"pool_fraction must be in (0, 1], got {pool_fraction!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    check_pool_hint(pool_fraction, block_size)
     check_vocab(vocab)
     rng = random.Random(seed)
     requests = []

@@ -26,6 +26,7 @@ from expeditor.bench.workloads import (
     BenchRequest,
     Workload,
     check_count,
+    check_pool_hint,
     check_range,
     check_vocab,
     random_prompt,
@@ -69,8 +70,7 @@ def multi_turn(
     for name, seconds in (("think_s", think_s), ("stagger_s", stagger_s)):
         if not (isinstance(seconds, int | float) and seconds >= 0):
             raise ValueError(f"{name} must be a number >= 0, got {seconds!r}")
-    if not (isinstance(pool_fraction, int | float) and 0 < pool_fraction <= 1):
-        raise ValueError(f"pool_fraction must be in (0, 1], got {pool_fraction!r}")
+    check_pool_hint(pool_fraction, block_size)
     check_vocab(vocab)
     rng = random.Random(seed)
     system = random_prompt(rng, vocab, system_len + 1)[1:]  # (random_prompt starts with BOS)

@@ -145,6 +145,14 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
+def check_pool_hint(pool_fraction: float, block_size: int) -> None:
+    """The arguments a generator sizes its ``num_gpu_blocks`` hint from."""
+    if not (isinstance(pool_fraction, int | float) and 0 < pool_fraction <= 1):
+        raise ValueError(f"pool_fraction must be in (0, 1], got {pool_fraction!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+
+
 def check_vocab(vocab: Sequence[int]) -> None:
     if len(vocab) == 0:
         raise ValueError("vocab must not be empty")
@@ -373,10 +381,7 @@ def pressure(
     check_count(num_requests)
     p_low, p_high = check_range("prompt_len", prompt_len)
     o_low, o_high = check_range("output_len", output_len)
-    if not (isinstance(pool_fraction, int | float) and 0 < pool_fraction <= 1):
-        raise ValueError(f"pool_fraction must be in (0, 1], got {pool_fraction!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    check_pool_hint(pool_fraction, block_size)
     check_vocab(vocab)
     rng = random.Random(seed)
     requests = []
