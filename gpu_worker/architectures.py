@@ -37,6 +37,13 @@ SUPPORTED: dict[str, str] = {
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
+WINDOWED_TYPES = frozenset(
+    {"mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"}
+)
+"""Model types whose attention modules pass ``config.sliding_window`` on (per
+``layer_types`` where they read it); the others (llama, olmo2, granite) attend over the
+whole context whatever their config.json says."""
+
 
 def check_supported(config: PretrainedConfig) -> None:
     """Raise ``ValueError`` naming the reason when ``config`` is not something expeditor
@@ -73,9 +80,12 @@ def check_supported(config: PretrainedConfig) -> None:
 def layer_windows(config: PretrainedConfig) -> list[int]:
     """Per layer, the keys its attention reads back from a query's position: the
     sliding window of a windowed layer (``layer_types`` says which, else every layer
-    of a config with ``sliding_window``), 0 for a layer that reads the whole context."""
-    window = int(getattr(config, "sliding_window", None) or 0)
+    of a config with ``sliding_window``, for :data:`WINDOWED_TYPES` only), 0 for a
+    layer that reads the whole context."""
     layers = int(config.num_hidden_layers)
+    if config.model_type not in WINDOWED_TYPES:
+        return [0] * layers
+    window = int(getattr(config, "sliding_window", None) or 0)
     types = getattr(config, "layer_types", None) if window else None
     if types:
         return [window if kind == "sliding_attention" else 0 for kind in types]

@@ -69,8 +69,7 @@ class SequenceEnding:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.kv.cpu_pool.release(seq.cpu_block_table)
-            seq.cpu_block_table = []
+            self.kv.free_swapped(seq)
         self._forget_on_worker(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -122,8 +121,7 @@ class SequenceEnding:
             for seq in lost.swapped_out:
                 if seq.status is SeqStatus.SWAPPED:
                     self.swapped.remove(seq)
-                    self.kv.cpu_pool.release(seq.cpu_block_table)
-                    seq.cpu_block_table = []
+                    self.kv.free_swapped(seq)
                     seq.num_computed_tokens = 0
                     seq.status = SeqStatus.WAITING
                     self.waiting.push(seq)

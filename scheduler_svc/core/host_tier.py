@@ -20,7 +20,7 @@ pinned until that step's result is applied, so no demotion overwrites it meanwhi
 demotion and a hit on the same tier block in one step are ordered by the worker
 (``swap_out`` first), so the hit reads the new content it was found by.
 
-**Keys.** A device block's key names its parent by block id, which means nothing once
+**Keys.** A device block's key names its parent by cache entry, which means nothing once
 both are evicted, so the tier keys a block by a digest of its whole prefix: a keyed
 128-bit BLAKE2b chain over the tokens (:func:`block_digest`; the key is random per
 process, so a client cannot aim at a collision). A hit is a digest match: a wrong hit

@@ -89,6 +89,8 @@ def _released_problems(scheduler: Scheduler, seq: Sequence) -> list[str]:
     problems = []
     if not kv.window:
         problems.append(f"{seq.seq_id}: {released} blocks released with no window")
+    if seq.status is SeqStatus.WAITING:
+        problems.append(f"{seq.seq_id}: {released} blocks released while waiting")
     elif released > (seq.num_computed_tokens - kv.window + 1) // scheduler.block_size:
         problems.append(
             f"{seq.seq_id}: {released} blocks released, some still in the window of "

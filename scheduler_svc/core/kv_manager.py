@@ -323,6 +323,13 @@ class KVCacheManager:
         seq.cpu_block_table = cpu_blocks
         return pairs
 
+    def free_swapped(self, seq: Sequence) -> None:
+        """Give back a swapped ``seq``'s CPU blocks (it ends, or starts over from its
+        tokens): its released entries go with them."""
+        self.cpu_pool.release(seq.cpu_block_table)
+        seq.cpu_block_table = []
+        seq.num_released = 0
+
     def find_swap_hits(self, seq: Sequence) -> list[int]:
         """Full blocks of a swapped ``seq`` still cached on the device: no copy needed
         (none once it released leading blocks: its CPU blocks start after them)."""

@@ -189,3 +189,46 @@ def test_a_sequence_that_slides_then_preempts_itself_leaves_no_update_behind() -
     assert h.sched.preemptions["recompute"] > 0
     assert h.sched.kv.released_blocks > 0
     h.assert_reference_outputs()
+
+
+def test_a_swapped_sequence_requeued_after_a_lost_worker_starts_with_a_whole_table() -> None:
+    """A sequence whose swap-out rode on a step the lost worker never ran starts over
+    from its tokens: its released entries go with its CPU blocks (else its next table's
+    first blocks would never be given back)."""
+    cfg = config(
+        num_gpu_blocks=30,
+        num_cpu_blocks=64,
+        max_num_seqs=20,
+        max_num_batched_tokens=128,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=0,
+    )
+    trace = generate_trace(30, seed=1, prompt_len=(8, 16), output_len=(80, 100), arrival_rate=None)
+    sim = Simulation(trace, cfg, verify_kv=True, check_invariants=True, kv_window=6)
+    sched = sim.scheduler
+    for req in trace:
+        sched.add_request(req.id, sim.prompt_of(req), req.params())
+    victim = None
+    for _ in range(2000):
+        plan = sched.schedule()
+        assert plan is not None
+        victim = next((s for s in sched.inflight[-1].swapped_out if s.num_released), None)
+        if victim is not None:
+            break
+        sched.update(sim.worker.execute(plan))
+    assert victim is not None, "no sequence swapped out with released blocks"
+    sched.on_worker_lost()
+    assert victim.status is SeqStatus.WAITING and victim.num_released == 0
+    assert check_invariants(sched) == []
+    sim.worker = type(sim.worker)(
+        sim.model, block_size=BS, num_gpu_blocks=30, num_cpu_blocks=64, window=sched.kv.window
+    )  # a new worker: empty cache
+    for _ in range(5000):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        if plan is not None:
+            sched.update(sim.worker.execute(plan))
+            assert check_invariants(sched) == []
+    assert not sched.seqs and sched.kv.pool.num_free == sched.kv.pool.num_blocks

@@ -115,6 +115,17 @@ def test_layer_windows_are_the_ones_the_layers_apply(
         assert llm.scheduler.kv.window == kv_window(model.config)
 
 
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "granite"])
+def test_a_stray_sliding_window_in_a_full_attention_config_releases_nothing(
+    arch: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """These models' modules attend over the whole context whatever config.json says."""
+    config = AutoConfig.from_pretrained(tiny_checkpoint(arch))
+    config.sliding_window = 4
+    assert layer_windows(config) == [0] * config.num_hidden_layers
+    assert kv_window(config) == 0
+
+
 def _write_config(directory: Path, config: transformers.PretrainedConfig) -> Path:
     directory.mkdir(parents=True)
     config.save_pretrained(directory)
