@@ -49,6 +49,14 @@ class KVCacheManager:
         self.pool = DeviceBlockPool(num_gpu_blocks - 1 if self.window else num_gpu_blocks)
         self.released_blocks = 0
         """Blocks given back by :meth:`slide` so far."""
+        self.window_hits = 0
+        """Admissions whose prefix hit held only the blocks the window reads."""
+        self.digests: list[bytes | None] | None = (
+            [None] * num_gpu_blocks if self.window and enable_prefix_caching else None
+        )
+        """With a window: per cached device block, the digest of its whole prefix
+        (``host_tier.sequence_digests``), which confirms a hit whose parent block is no
+        longer cached (:meth:`find_window`)."""
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.host: HostPrefixTier | None = None
@@ -111,7 +119,51 @@ class KVCacheManager:
         be computed (its blocks still enter the cache for others)."""
         if seq.request.params.prompt_logprobs is not None:
             return []
+        if self.digests is not None:
+            return self.find_window(seq, (seq.num_tokens - 1) // self.block_size)
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def find_window(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """Prefix hits under a sliding window: the longest run of leading blocks whose
+        last ones, those the window still reads, are cached; the blocks before them
+        come back as :attr:`null_block` entries (released from the start).
+
+        Within a run each block is confirmed by its key (its parent the block before
+        it); the run's first block, whose parent may be gone, by the digest of its
+        whole prefix (a keyed 128-bit BLAKE2b chain; a wrong hit would need a collision
+        of it, as a host-tier hit would)."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
+        assert self.digests is not None
+        hashes = seq.block_hashes
+        pool = self.pool
+        cached, block_key, entry, digests = pool.cached, pool.block_key, pool.entry, self.digests
+        token_ids = seq.token_ids
+        bs, window = self.block_size, self.window
+        best: list[int] = []
+        run: list[int] = []  # the current run of confirmed blocks, ending at index
+        for index in range(max_blocks):
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            if index == len(hashes):
+                hashes.append(chain_hash(hashes[index - 1] if index else 0, tokens))
+            block = cached.get(hashes[index])
+            if block is None:
+                run = []
+                continue
+            if run and block_key[block] == (entry[run[-1]], tokens):
+                run.append(block)
+            elif (index == 0 and block_key[block] == (NO_PARENT, tokens)) or (
+                index and digests[block] == sequence_digests(seq, index + 1, bs)[index]
+            ):
+                run = [block]
+            else:
+                run = []
+                continue
+            # What the window still reads, and the last block (the next one's parent).
+            held_from = min(index, max(0, ((index + 1) * bs - window + 1) // bs))
+            if index + 1 - len(run) <= held_from:  # the run covers what the window reads
+                best = [self.null_block] * held_from + run[len(run) - (index + 1 - held_from) :]
+        return best
 
     def find_host(self, seq: Sequence, hits: list[int]) -> list[int]:
         """Host-tier blocks holding ``seq``'s blocks after its device ``hits``, in a row
@@ -168,17 +220,20 @@ class KVCacheManager:
                 pool.cache(
                     block, content_hash, (pool.entry[parent] if index else NO_PARENT, tokens)
                 )
-                if self.host is not None:
-                    digests = sequence_digests(seq, full, self.block_size)
-                    self.host.device_digest[block] = digests[index]
+                if self.host is not None or self.digests is not None:
+                    digest = sequence_digests(seq, full, self.block_size)[index]
+                    if self.host is not None:
+                        self.host.device_digest[block] = digest
+                    if self.digests is not None:
+                        self.digests[block] = digest
         seq.num_cached_blocks = full
 
     # -- admission and growth -----------------------------------------------------------
 
     def _cost(self, num_blocks_after: int, hits: list[int]) -> int:
         """Free-queue blocks consumed by a table of ``num_blocks_after`` starting with ``hits``."""
-        ref_cnt = self.pool.ref_cnt
-        return num_blocks_after - len(hits) + sum(1 for b in hits if ref_cnt[b] == 0)
+        ref_cnt, null = self.pool.ref_cnt, self.null_block
+        return num_blocks_after - len(hits) + sum(1 for b in hits if b != null and ref_cnt[b] == 0)
 
     def can_admit(
         self, seq: Sequence, hits: list[int], num_new: int, reserve: int, num_host: int = 0
@@ -193,8 +248,14 @@ class KVCacheManager:
     ) -> list[tuple[int, int]]:
         """Start ``seq``'s table from its prefix hits, then new blocks for its ``host``
         tier hits (pinned until the step is done); follow with :meth:`append`. Returns
-        the (host block, device block) copies."""
-        self.pool.share(hits)
+        the (host block, device block) copies. Leading :attr:`null_block` entries of
+        ``hits`` (:meth:`find_window`) start released."""
+        released = 0
+        while released < len(hits) and hits[released] == self.null_block:
+            released += 1
+        self.pool.share(hits[released:])
+        seq.num_released = released
+        self.window_hits += bool(released)
         table = list(hits)
         pairs: list[tuple[int, int]] = []
         if host:

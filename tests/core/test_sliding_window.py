@@ -232,3 +232,66 @@ def test_a_swapped_sequence_requeued_after_a_lost_worker_starts_with_a_whole_tab
             sched.update(sim.worker.execute(plan))
             assert check_invariants(sched) == []
     assert not sched.seqs and sched.kv.pool.num_free == sched.kv.pool.num_blocks
+
+
+WINDOW_HIT_TRACE = generate_trace(
+    60,
+    seed=7,
+    prompt_len=(44, 70),
+    output_len=(1, 30),
+    arrival_rate=2.0,
+    n_choices=(1, 1, 2),
+    eos_fraction=0.3,
+    abort_fraction=0.1,
+    shared_prefixes=2,
+    shared_prefix_len=40,
+)
+"""Shared prefixes four windows long: their first blocks are released (and evicted)
+while the later ones stay cached, so later requests hit only what the window reads."""
+
+
+@pytest.mark.parametrize(("overlap", "mode"), [(False, "swap"), (True, "recompute")])
+def test_prefix_hits_on_only_the_windows_blocks_keep_every_output(overlap: bool, mode: str) -> None:
+    sim = Simulation(
+        WINDOW_HIT_TRACE,
+        config(preemption_mode=mode, num_gpu_blocks=40),
+        verify_kv=True,
+        check_invariants=True,
+        overlap=overlap,
+        kv_window=WINDOW,
+    )
+    result = sim.run()
+    check_outputs(sim, result)
+    assert sim.scheduler.kv.window_hits > 10
+    assert sum(result.summary["preemptions"].values()) > 0
+
+
+def test_a_window_hit_is_confirmed_by_the_digest_of_its_whole_prefix() -> None:
+    window = BS + 2
+    kv = KVCacheManager(
+        block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0, enable_prefix_caching=True,
+        window=window,
+    )  # fmt: skip
+    prompt = list(range(300, 324))  # 6 blocks
+    first = make_seq(prompt)
+    kv.admit(first, kv.find_prefix(first))
+    grow(kv, first, len(prompt))
+    grow(kv, first, 0)  # the next step slides: blocks 0-3 released, 4-5 held
+    assert first.num_released == 4
+    held = first.block_table[4:]
+    assert kv.pool.allocate(kv.pool.num_free)  # the released blocks evicted on the way
+    assert all(kv.pool.block_hash[b] is None for b in range(4))
+    second = make_seq([*prompt, 1, 2, 3])
+    hits = kv.find_prefix(second)
+    assert hits == [kv.null_block] * 4 + held  # the window's blocks only
+    assert kv.find_cached(second, 6) == []  # the whole chain is gone
+    kv.admit(second, hits)
+    assert second.num_released == 4 and second.num_computed_tokens == 24
+    assert kv.pool.ref_cnt[held[0]] == 2 and kv.window_hits == 1
+    # Another prefix ending in the same tokens: its chained hashes differ, no hit.
+    other = make_seq([*range(400, 416), *prompt[16:], 1, 2, 3])
+    assert kv.find_prefix(other) == []
+    # A block under the right hash but the wrong digest (a collision) is not taken.
+    assert kv.digests is not None
+    kv.digests[held[0]] = bytes(16)
+    assert kv.find_prefix(make_seq([*prompt, 1, 2, 3])) == []
