@@ -57,6 +57,9 @@ SERVE_GATEWAY_FIELDS = (
     "tool_call_parser",
     "max_body_bytes",
     "scheduler_timeout_s",
+    "metrics_prefix",
+    "ssl_certfile",
+    "ssl_keyfile",
 )
 """The [gateway] flags of serve (--http HOST:PORT stands for host and port)."""
 

@@ -601,6 +601,9 @@ class MetricsReply(
     """Prompt tokens copied back from the prefix cache's host tier instead of computed."""
     prefix_cache_host_demoted_blocks: int = 0
     """Device blocks evicted from the prefix cache that the host tier kept."""
+    cache_config: dict[str, str] = {}
+    """The KV cache's settings (block_size, num_gpu_blocks, ...), as vLLM's
+    ``cache_config_info`` labels; empty before a worker said hello."""
 
 
 class AbortAck(msgspec.Struct, frozen=True, kw_only=True, tag="abort_ack", tag_field="type"):

@@ -41,6 +41,7 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.engine_builder import build_engine
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.kv_event_publisher import KVEventPublisher
 from scheduler_svc.launch import free_port
 from scheduler_svc.outputs import RequestEnded
 from scheduler_svc.remote_executor import RemoteExecutor
@@ -123,6 +124,19 @@ class SchedulerDaemon:
             self._stop_seq,
             step_times=self.step_times,
         )
+        self.kv_events = (
+            KVEventPublisher(
+                self.ctx,
+                server.kv_events_endpoint,
+                topic=server.kv_events_topic,
+                replay_endpoint=server.kv_events_replay_endpoint,
+                buffer_steps=server.kv_events_buffer_steps,
+            )
+            if server.kv_events_endpoint
+            else None
+        )
+        """The prefix cache's KV events, when published (bound before any core exists,
+        so routers may subscribe early)."""
         self.stop_event = asyncio.Event()
         self.signals = 0
         self.drain_cut = asyncio.Event()
@@ -173,6 +187,11 @@ class SchedulerDaemon:
                 ("steps", self._step_loop()),
                 ("outputs", self._output_loop()),
                 ("housekeeping", self._housekeeping_loop()),
+                *(
+                    [("kv-event-replay", self.kv_events.serve_replay())]
+                    if self.kv_events is not None and self.kv_events.replay is not None
+                    else []
+                ),
             )
         ]
         log.info("serving on %s, workers on %s", self.server.frontend, self.server.worker_endpoint)
@@ -236,6 +255,9 @@ class SchedulerDaemon:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.frontend.socket.close(linger=1000)  # let the last replies out
         self.backend.close(linger=0)
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
         if self.curve is not None:
             self.curve.stop()
         self.ctx.term()
@@ -281,6 +303,7 @@ class SchedulerDaemon:
     def worker_lost_idle(self) -> None:
         if self.engine is not None:
             self._quarantine(self.engine.on_worker_lost())
+            self._publish_kv_events()
 
     def steps_in_flight(self) -> list[Future[StepResult]]:
         return self.engine.futures() if self.engine is not None else []
@@ -290,6 +313,14 @@ class SchedulerDaemon:
         self.core, self.engine, self.swap_pool = built.core, built.engine, built.swap_pool
         self.frontend.attach(self.core, hello.model, load_tokenizer(hello.model))
         self.frontend.build_grammars()  # ~0.5 s on a thread, before any request needs it
+        if self.kv_events is not None:
+            self.core.kv.record_events()
+            self._publish_kv_events()  # AllBlocksCleared: a subscriber starts from nothing
+
+    def _publish_kv_events(self) -> None:
+        """Send what the prefix cache stored and forgot since the last call."""
+        if self.kv_events is not None and self.core is not None and self.core.kv.events is not None:
+            self.kv_events.publish(self.core.kv.events)
 
     # -- the step loop -------------------------------------------------------------------
 
@@ -308,6 +339,7 @@ class SchedulerDaemon:
                     pass
                 continue
             output = await engine.step_async()
+            self._publish_kv_events()
             if output.lost:  # re-queued, unless quarantined
                 self._quarantine(output.quarantined)
             else:

@@ -433,7 +433,18 @@ class Frontend:
         preemptions: dict[str, int] = {}
         queried = hits = host_hits = demoted = 0
         spec = None
+        cache_config: dict[str, str] = {}
         if core is not None:
+            cfg = core.config
+            cache_config = {
+                "block_size": str(cfg.block_size),
+                "num_gpu_blocks": str(core.kv.pool.num_blocks),
+                "num_cpu_blocks": str(cfg.num_cpu_blocks),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "prefix_cache_cpu_blocks": str(cfg.prefix_cache_cpu_blocks),
+                "cache_dtype": self.server.kv_cache_dtype,
+                "sliding_window": str(core.kv.window),
+            }
             spec = core.speculation
             running, waiting, swapped = len(core.running), len(core.waiting), len(core.swapped)
             gpu, cpu = core.kv.pool, core.kv.cpu_pool
@@ -465,6 +476,7 @@ class Frontend:
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position)
             if spec
             else [],
+            cache_config=cache_config,
         )
 
     def _health(self) -> HealthStatus:

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -163,18 +164,24 @@ class Supervisor:
         assert self.gateway_config is not None
         host = self.gateway_config.host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.gateway_config.port}"
+        scheme = "https" if self.gateway_config.ssl_certfile else "http"
+        return f"{scheme}://{host}:{self.gateway_config.port}"
 
     def _wait_gateway(self) -> bool:
         """Until the gateway's /health answers 200; False if it exits or never does."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         url = self.gateway_url + "/health"
+        # Our own child's certificate (often self-signed, for another name): the probe
+        # asks whether it serves, not who it is.
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
         while time.monotonic() < deadline and not self.stopping:
             if self.gateway is None or self.gateway.poll() is not None:
                 log.error("the gateway exited during start-up")
                 return False
             try:
-                with urllib.request.urlopen(url, timeout=2.0) as reply:
+                with urllib.request.urlopen(url, timeout=2.0, context=context) as reply:
                     if reply.status == 200:
                         return True
             except (urllib.error.URLError, OSError):

@@ -20,6 +20,7 @@ from shared.config_fields import Settings, load_settings, settings_to_toml
 from shared.errors import ConfigError
 
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "none"]
+MetricsPrefix = Literal["expeditor", "vllm", "both"]
 
 __all__ = ["GatewayConfig", "is_loopback", "load_gateway_config", "parse_http_address"]
 
@@ -215,9 +216,30 @@ class GatewayConfig(Settings, frozen=True):
             "0 = clients may only ask for less urgency than the default.",
         ),
     ] = 0
+    metrics_prefix: Annotated[
+        MetricsPrefix,
+        Meta(
+            description="The prefix of /metrics' names: expeditor (expeditor:...), vllm "
+            "(vllm:..., what routers, dashboards and autoscaling rules written for vLLM "
+            "read) or both.",
+        ),
+    ] = "expeditor"
+    ssl_certfile: Annotated[
+        str,
+        Meta(
+            description="Serve HTTPS with this PEM certificate (chain) file; with "
+            "ssl_keyfile. Empty = plain HTTP.",
+        ),
+    ] = ""
+    ssl_keyfile: Annotated[str, Meta(description="The PEM private key of ssl_certfile.")] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            missing = "ssl_keyfile" if self.ssl_certfile else "ssl_certfile"
+            raise ConfigError(
+                f"{missing}: HTTPS needs both ssl_certfile and ssl_keyfile", field=missing
+            )
         if not self.host:
             raise ConfigError("host: must not be empty", field="host")
         if self.api_key and self.api_key_file:

@@ -248,6 +248,34 @@ class ServerConfig(ModelConfig, frozen=True):
         ),
     ] = 256 * 1024 * 1024
 
+    kv_events_endpoint: Annotated[
+        str,
+        Meta(
+            description="Publish the prefix cache's KV events here (a ZeroMQ PUB socket, "
+            "vLLM's wire format, for KV-aware routers): tcp://HOST:PORT or ipc://PATH; "
+            "empty = off. The stream carries prompt token ids and has no authentication: "
+            "bind it where only the routers reach it.",
+        ),
+    ] = ""
+    kv_events_replay_endpoint: Annotated[
+        str,
+        Meta(
+            description="With kv_events_endpoint: a ROUTER socket here resends the batches "
+            "a subscriber missed, from a sequence number (empty = no replay).",
+        ),
+    ] = ""
+    kv_events_topic: Annotated[
+        str,
+        Meta(
+            description="The KV events' topic frame (llm-d's indexer expects "
+            "kv@POD_IP:PORT@MODEL; empty = none, as vLLM's default).",
+        ),
+    ] = ""
+    kv_events_buffer_steps: Annotated[
+        int,
+        Meta(ge=1, description="KV event batches kept for the replay socket."),
+    ] = 10_000
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tensor_parallel_size > 1 and self.workers not in (1, self.tensor_parallel_size):
@@ -281,6 +309,18 @@ class ServerConfig(ModelConfig, frozen=True):
         for name in ("frontend", "worker_endpoint"):
             check_endpoint(
                 name, getattr(self, name), curve=self.curve, insecure_tcp=self.insecure_tcp
+            )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            address = getattr(self, name)
+            if address and address.partition("://")[0] not in ("ipc", "tcp"):
+                raise ConfigError(
+                    f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {address!r}",
+                    field=name,
+                )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError(
+                "kv_events_replay_endpoint: set without kv_events_endpoint (no events to replay)",
+                field="kv_events_replay_endpoint",
             )
 
     @property

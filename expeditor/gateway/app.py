@@ -11,6 +11,7 @@ aborts its requests at once (their KV blocks are freed).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,7 +37,7 @@ from expeditor.gateway.http import (
     unless_gone,
 )
 from expeditor.gateway.identity import check_priority, end_user
-from expeditor.gateway.metrics import MetricsCache
+from expeditor.gateway.metrics import PREFIXES, MetricsCache
 from expeditor.gateway.model import ServedModel
 from expeditor.gateway.protocol import (
     ChatCompletionRequest,
@@ -62,6 +63,11 @@ from shared.server_config import ServerConfig
 from shared.tokenizer import INLINE_TOKENIZE_CHARS
 
 __all__ = ["Gateway", "create_app"]
+
+try:
+    VERSION = importlib.metadata.version("expeditor")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+    VERSION = "unknown"
 
 log = logging.getLogger("expeditor.gateway")
 
@@ -110,7 +116,11 @@ class Gateway:
         """Set when the grace is over: open streams end with an error event."""
         self.trimmer = Trimmer()
         """Returns the memory of large requests once they are over."""
-        self.metrics = MetricsCache(self._metrics_reply, config.metrics_interval_s)
+        self.metrics = MetricsCache(
+            self._metrics_reply,
+            config.metrics_interval_s,
+            prefixes=PREFIXES[config.metrics_prefix],
+        )
         """/metrics snapshots, shared by concurrent scrapes."""
 
     async def _metrics_reply(self) -> Any:
@@ -208,7 +218,7 @@ def _error_response(exc: Exception) -> Response:
     )
 
 
-def _json(body: dict[str, Any], status: int = 200) -> Response:
+def _json(body: dict[str, Any] | list[Any], status: int = 200) -> Response:
     return Response(json_bytes(body), status_code=status, media_type="application/json")
 
 
@@ -276,6 +286,32 @@ def create_app(gateway: Gateway) -> FastAPI:
         finally:
             if not streaming:
                 gateway.finished()
+
+    async def _render(request: Request, kind: type[Any], handler_type: type[Any]) -> Response:
+        body, model = await _open(request, kind)
+        check_priority(body.priority, gateway.config.min_client_priority)
+        handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
+        await handler.prepare()
+        rendered = await handler.render()
+        return _json(rendered if handler_type is CompletionHandler else rendered[0])
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Any:
+        return await _guard(_render(request, CompletionRequest, CompletionHandler))
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(request: Request) -> Any:
+        return await _guard(_render(request, ChatCompletionRequest, ChatHandler))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": VERSION})
+
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: this process answers (whatever the scheduler's state; /health is
+        readiness)."""
+        return _json({"status": "alive"})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -117,6 +117,24 @@ class Handler:
             return without_output(done)
         return done
 
+    async def render(self) -> list[dict[str, Any]]:
+        """What each scheduler request of this body would be, without running it
+        (``/v1/completions/render``, ``/v1/chat/completions/render``, as vLLM's): its id,
+        the token ids the scheduler sees (the same template and tokenizer path as
+        generation, so a router's keys are the prefix cache's), the sampling params."""
+        params = msgspec.to_builtins(self.params)
+        return [
+            {
+                "request_id": self._request_id(index),
+                "model": self.model.name,
+                "token_ids": await self._prompt_ids(index),
+                "features": None,
+                "sampling_params": params,
+                "stream": bool(self.body.stream),
+            }
+            for index in range(len(self.prompts))
+        ]
+
     async def complete(self) -> dict[str, Any]:
         """Run every prompt to the end; the whole response body. One failure (or a
         disconnect) cancels, so aborts, the rest."""

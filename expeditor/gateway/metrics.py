@@ -1,6 +1,7 @@
 """``GET /metrics``: the scheduler's :class:`~ipc.schema.MetricsReply` in the Prometheus
-text format, under vLLM's metric names with the prefix ``expeditor:`` (a vLLM Grafana
-dashboard ports by renaming ``vllm:`` to ``expeditor:``), label ``model_name``.
+text format, under vLLM's metric names with the prefix ``expeditor:``, ``vllm:`` or both
+(``[gateway] metrics_prefix``: routers, dashboards and autoscaling rules written for
+vLLM read ``vllm:num_requests_waiting`` and the like), label ``model_name``.
 
 The numbers are the scheduler's, so a restarted gateway loses nothing and requests
 sent through the ZeroMQ client count too. Scrapes share snapshots
@@ -25,9 +26,15 @@ from prometheus_client.registry import Collector
 
 from ipc.schema import MetricsReply
 
-__all__ = ["PREFIX", "MetricsCache", "render_metrics"]
+__all__ = ["PREFIX", "PREFIXES", "MetricsCache", "render_metrics"]
 
 PREFIX = "expeditor:"
+PREFIXES: dict[str, tuple[str, ...]] = {
+    "expeditor": (PREFIX,),
+    "vllm": ("vllm:",),
+    "both": (PREFIX, "vllm:"),
+}
+"""``[gateway] metrics_prefix`` -> the prefixes every metric is rendered under."""
 
 _GAUGES = (
     ("num_requests_running", "Sequences in the running queue (on the workers)."),
@@ -60,22 +67,32 @@ _HISTOGRAMS = {
 
 
 class _ReplyCollector(Collector):
-    def __init__(self, reply: MetricsReply, model_name: str) -> None:
+    def __init__(self, reply: MetricsReply, model_name: str, prefix: str) -> None:
         self.reply = reply
         self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
-        reply, model = self.reply, [self.model_name]
+        reply, model, prefix = self.reply, [self.model_name], self.prefix
+        if reply.cache_config:
+            labels = sorted(reply.cache_config)
+            info = GaugeMetricFamily(
+                prefix + "cache_config_info",
+                "The KV cache's settings, as labels (value 1).",
+                labels=["model_name", *labels],
+            )
+            info.add_metric([*model, *(reply.cache_config[k] for k in labels)], 1.0)
+            yield info
         for name, doc in _GAUGES:
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
             gauge.add_metric(model, float(getattr(reply, name)))
             yield gauge
         for name, doc in _COUNTERS:
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
             counter.add_metric(model, float(getattr(reply, name)))
             yield counter
         preemptions = CounterMetricFamily(
-            PREFIX + "num_preemptions",
+            prefix + "num_preemptions",
             "Sequences preempted, by mode (swap or recompute).",
             labels=["model_name", "mode"],
         )
@@ -83,7 +100,7 @@ class _ReplyCollector(Collector):
             preemptions.add_metric([*model, mode], float(count))
         yield preemptions
         per_position = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            prefix + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: proposed tokens accepted, by position in the proposal.",
             labels=["model_name", "position"],
         )
@@ -91,7 +108,7 @@ class _ReplyCollector(Collector):
             per_position.add_metric([*model, str(position)], float(count))
         yield per_position
         success = CounterMetricFamily(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Requests finished, by the finish reason of their first sample.",
             labels=["model_name", "finished_reason"],
         )
@@ -102,7 +119,7 @@ class _ReplyCollector(Collector):
             data = reply.histograms.get(name)
             if data is None:
                 continue
-            family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = HistogramMetricFamily(prefix + name, doc, labels=["model_name"])
             cumulative, buckets = 0, []
             for bound, count in zip([*data.bounds, float("inf")], data.counts, strict=True):
                 cumulative += count
@@ -117,10 +134,13 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
-def render_metrics(reply: MetricsReply, model_name: str) -> bytes:
-    """The Prometheus text exposition of ``reply``."""
+def render_metrics(
+    reply: MetricsReply, model_name: str, prefixes: tuple[str, ...] = (PREFIX,)
+) -> bytes:
+    """The Prometheus text exposition of ``reply``, every metric under each prefix."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ReplyCollector(reply, model_name))
+    for prefix in prefixes:
+        registry.register(_ReplyCollector(reply, model_name, prefix))
     return generate_latest(registry)
 
 
@@ -137,9 +157,11 @@ class MetricsCache:
         fetch: Callable[[], Awaitable[MetricsReply]],
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        prefixes: tuple[str, ...] = (PREFIX,),
     ) -> None:
         self._fetch = fetch
         self.interval_s = interval_s
+        self.prefixes = prefixes
         self._clock = clock
         self._version = 0
         """Bumped by :meth:`invalidate`; a snapshot is current for the version at which
@@ -198,6 +220,6 @@ class MetricsCache:
         name = model_name(reply)
         rendered = self._rendered
         if rendered is None or rendered[0] is not reply or rendered[1] != name:
-            rendered = (reply, name, render_metrics(reply, name))
+            rendered = (reply, name, render_metrics(reply, name, self.prefixes))
             self._rendered = rendered
         return rendered[2]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 
 import uvicorn
 
@@ -55,7 +56,8 @@ class _GatewayServer(uvicorn.Server):
 
             config = self.gateway.config
             log.info(
-                "gateway on http://%s:%d for %s (API key %s)",
+                "gateway on %s://%s:%d for %s (API key %s)",
+                "https" if config.ssl_certfile else "http",
                 config.host,
                 config.port,
                 self.gateway.frontend,
@@ -75,6 +77,17 @@ class _GatewayServer(uvicorn.Server):
             captured.clear()
 
 
+def _check_tls(certfile: str, keyfile: str) -> None:
+    """The certificate and key load (else a ConfigError naming them, before listening)."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"ssl_certfile/ssl_keyfile: cannot load {certfile} with {keyfile}: {exc}",
+            field="ssl_certfile",
+        ) from None
+
+
 def run_gateway(
     frontend: str,
     config: GatewayConfig,
@@ -89,6 +102,8 @@ def run_gateway(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         reserve_open_files(config.max_connections)
+        if config.ssl_certfile:
+            _check_tls(config.ssl_certfile, config.ssl_keyfile)
     except ConfigError as exc:
         log.error("[gateway] %s", exc)
         return 2
@@ -107,6 +122,8 @@ def run_gateway(
             access_log=False,
             timeout_graceful_shutdown=5,  # after drain(): what is left is stuck
             server_header=False,
+            ssl_certfile=config.ssl_certfile or None,
+            ssl_keyfile=config.ssl_keyfile or None,
         ),
         gateway,
         grace_s,

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.kv_events import KVEventLog
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(the cache entry of the previous block of the prefix, this block's tokens).
@@ -51,6 +55,11 @@ class DeviceBlockPool:
         """Content hash -> block holding that content."""
         self.entry = [NO_PARENT] * num_blocks
         """Per cached block, the number of its registration (keys name parents by it)."""
+        self.parent_hash: list[int | None] = [None] * num_blocks
+        """Per cached block, its parent's content hash (None for a first block)."""
+        self.events: KVEventLog | None = None
+        """Where cache registrations and evictions are recorded, when they are
+        (:meth:`scheduler_svc.core.kv_manager.KVCacheManager.record_events`)."""
         self._entries = 0
         self.num_shared = 0
         """Blocks with more than one reference: while none is, no copy-on-write is due."""
@@ -162,15 +171,21 @@ class DeviceBlockPool:
             return block
         return None
 
-    def cache(self, block: int, block_hash: int, key: BlockKey) -> None:
-        """Register a full block's content; a second copy of known content stays private."""
+    def cache(
+        self, block: int, block_hash: int, key: BlockKey, parent_hash: int | None = None
+    ) -> None:
+        """Register a full block's content (``parent_hash``: the content hash of the
+        block before it); a second copy of known content stays private."""
         if block_hash in self.cached or self.block_hash[block] is not None:
             return
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
         self.block_key[block] = key
+        self.parent_hash[block] = parent_hash
         self.entry[block] = self._entries
         self._entries += 1
+        if self.events is not None:
+            self.events.stored("GPU", block_hash, parent_hash, key[1])
 
     def uncache(self, block: int) -> None:
         if self.block_hash[block] is not None:
@@ -180,13 +195,18 @@ class DeviceBlockPool:
         block_hash = self.block_hash[block]
         if self.cached.get(block_hash) == block:  # type: ignore[arg-type]
             del self.cached[block_hash]  # type: ignore[arg-type]
+            if self.events is not None:
+                self.events.removed("GPU", block_hash)  # type: ignore[arg-type]
         self.block_hash[block] = None
         self.block_key[block] = None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (after the device cache was lost, e.g. a worker died)."""
+        """Forget every cached prefix (after the device cache was lost, e.g. a worker
+        died); recorded as one ``cleared`` by the caller, not block by block."""
+        events, self.events = self.events, None
         for block in list(self.cached.values()):
             self._uncache(block)
+        self.events = events
 
     def check(self, expected_refs: list[int]) -> list[str]:
         """Invariant violations against the refcounts the block tables imply."""

@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from scheduler_svc.core.block_pool import CpuBlockPool
+from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.request import Sequence
 
 __all__ = ["HostPrefixTier", "block_digest", "sequence_digests"]
@@ -85,6 +86,10 @@ class HostPrefixTier:
         """(device block, tier block) copies the next plan must carry."""
         self._filling: set[int] = set()
         """Their tier blocks (not to be taken again before the plan carries them)."""
+        self.events: KVEventLog | None = None
+        """Where the blocks the tier keeps and overwrites are recorded, when they are."""
+        self.event_hash: dict[int, int] = {}
+        """While recording: tier block -> the content hash it was announced by."""
         self.num_demoted = 0
         self.num_dropped = 0
         """Evicted device blocks the tier had no unpinned block for."""
@@ -94,8 +99,11 @@ class HostPrefixTier:
     def num_cached(self) -> int:
         return len(self._lru)
 
-    def demote(self, device_block: int) -> None:
-        """The device cache is evicting ``device_block``: keep its content."""
+    def demote(
+        self, device_block: int, announce: tuple[int, int | None, tuple[int, ...]] | None = None
+    ) -> None:
+        """The device cache is evicting ``device_block``: keep its content. ``announce``:
+        its (content hash, parent's content hash, tokens), for :attr:`events`."""
         digest = self.device_digest[device_block]
         self.device_digest[device_block] = None
         if digest is None:
@@ -113,6 +121,9 @@ class HostPrefixTier:
         self.pending.append((device_block, block))
         self._filling.add(block)
         self.num_demoted += 1
+        if self.events is not None and announce is not None:
+            self.event_hash[block] = announce[0]
+            self.events.stored("CPU", *announce)
 
     def _take(self) -> int | None:
         if self._empty:
@@ -121,6 +132,8 @@ class HostPrefixTier:
         for block in self._lru:  # the least recently used block no step reads or fills
             if block not in self._pins and block not in filling:
                 del self.cached[self._lru.pop(block)]
+                if self.events is not None:
+                    self.events.removed("CPU", self.event_hash.pop(block))
                 return block
         return None
 
@@ -167,6 +180,7 @@ class HostPrefixTier:
         self._pins.clear()
         self.pending.clear()
         self._filling.clear()
+        self.event_hash.clear()
         self.device_digest = [None] * len(self.device_digest)
 
     def check(self, pinned: list[int]) -> list[str]:

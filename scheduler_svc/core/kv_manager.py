@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from scheduler_svc.core.block_pool import NO_PARENT, CpuBlockPool, DeviceBlockPool, chain_hash
 from scheduler_svc.core.host_tier import HostPrefixTier, sequence_digests
+from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.request import Sequence
 
 CopyOnWrite = tuple[int, int, int]
@@ -64,6 +65,8 @@ class KVCacheManager:
         if num_host_blocks:
             self.host = HostPrefixTier(self.cpu_pool, num_host_blocks, num_gpu_blocks)
             self.pool.on_evict = self.host.demote
+        self.events: KVEventLog | None = None
+        """What the prefix cache stored and forgot, once :meth:`record_events` was called."""
         self.queried_tokens = 0
         self.hit_tokens = 0
         """Prompt tokens admitted from the prefix cache, either tier."""
@@ -178,6 +181,28 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.host is not None:
             self.host.reset()
+        if self.events is not None:
+            self.events.cleared()
+
+    def record_events(self) -> KVEventLog:
+        """Record from now on what both tiers of the prefix cache store and forget
+        (:mod:`scheduler_svc.core.kv_events`); called before anything is cached."""
+        if self.pool.cached or (self.host is not None and self.host.num_cached):
+            raise RuntimeError("record_events() after blocks were cached")
+        self.events = KVEventLog(self.block_size)
+        self.pool.events = self.events
+        if self.host is not None:
+            self.host.events = self.events
+            self.pool.on_evict = self._demote
+        return self.events
+
+    def _demote(self, block: int) -> None:
+        """The pool evicts ``block`` (recording events): the host tier keeps and
+        announces it."""
+        pool = self.pool
+        key = pool.block_key[block]
+        assert self.host is not None and key is not None
+        self.host.demote(block, (pool.block_hash[block], pool.parent_hash[block], key[1]))  # type: ignore[arg-type]
 
     def block_hashes_after(self, seq: Sequence, num_tokens: int) -> list[int]:
         """The content hashes of ``seq``'s full blocks past its first ``num_tokens``
@@ -218,7 +243,10 @@ class KVCacheManager:
             content_hash = hashes[index]
             if content_hash not in cached and block_hash[block] is None:
                 pool.cache(
-                    block, content_hash, (pool.entry[parent] if index else NO_PARENT, tokens)
+                    block,
+                    content_hash,
+                    (pool.entry[parent] if index else NO_PARENT, tokens),
+                    hashes[index - 1] if index else None,
                 )
                 if self.host is not None or self.digests is not None:
                     digest = sequence_digests(seq, full, self.block_size)[index]

@@ -372,6 +372,13 @@ def test_gateway_settings(tmp_path: Path) -> None:
         GatewayConfig(api_key_file=str(tmp_path / "missing")).read_api_key()
     with pytest.raises(ConfigError, match="port"):
         GatewayConfig(port=70000)
+    with pytest.raises(ConfigError, match="^ssl_keyfile: HTTPS needs both") as info:
+        GatewayConfig(ssl_certfile="cert.pem")
+    assert info.value.field == "ssl_keyfile"
+    with pytest.raises(ConfigError, match="^ssl_certfile: HTTPS needs both"):
+        GatewayConfig(ssl_keyfile="key.pem")
+    with pytest.raises(ConfigError, match="^metrics_prefix: "):
+        GatewayConfig(metrics_prefix="prom")  # type: ignore[arg-type]
     toml = tmp_path / "x.toml"
     toml.write_text('[server]\nmodel = ""\n[gateway]\nport = 9001\nmax_body_bytes = 4096\n')
     loaded = load_gateway_config(toml, env={"EXPEDITOR_API_KEY": "from-env"})
@@ -548,3 +555,12 @@ def test_tool_plans() -> None:
         with pytest.raises(GatewayRequestError) as info:
             plan_tools(*args)  # type: ignore[arg-type]
         assert info.value.param == param and words in info.value.message, (args, info.value)
+
+
+def test_an_unloadable_certificate_is_refused_by_name(tmp_path: Path) -> None:
+    from expeditor.gateway.server import _check_tls
+
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match=r"^ssl_certfile/ssl_keyfile: cannot load .*cert\.pem"):
+        _check_tls(str(cert), str(tmp_path / "key.pem"))
