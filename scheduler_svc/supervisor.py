@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -162,34 +163,11 @@ class Supervisor:
     @property
     def gateway_url(self) -> str:
         assert self.gateway_config is not None
-        host = self.gateway_config.host
-        host = f"[{host}]" if ":" in host else host
-        scheme = "https" if self.gateway_config.ssl_certfile else "http"
-        return f"{scheme}://{host}:{self.gateway_config.port}"
+        return gateway_url(self.gateway_config)
 
     def _wait_gateway(self) -> bool:
-        """Until the gateway's /health answers 200; False if it exits or never does."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        url = self.gateway_url + "/health"
-        # Our own child's certificate (often self-signed, for another name): the probe
-        # asks whether it serves, not who it is.
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        while time.monotonic() < deadline and not self.stopping:
-            if self.gateway is None or self.gateway.poll() is not None:
-                log.error("the gateway exited during start-up")
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=2.0, context=context) as reply:
-                    if reply.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        if not self.stopping:
-            log.error("the gateway did not become ready within %.0f s", READY_TIMEOUT_S)
-        return False
+        assert self.gateway_config is not None
+        return wait_gateway(self.gateway_config, lambda: self.gateway, lambda: self.stopping)
 
     def _restart_dead_gateway(self) -> None:
         gateway = self.gateway
@@ -274,8 +252,49 @@ class Supervisor:
                 proc.wait()
 
 
+def gateway_url(config: GatewayConfig) -> str:
+    host = config.host
+    host = f"[{host}]" if ":" in host else host
+    scheme = "https" if config.ssl_certfile else "http"
+    return f"{scheme}://{host}:{config.port}"
+
+
+def wait_gateway(
+    config: GatewayConfig,
+    process: Callable[[], subprocess.Popen[bytes] | None],
+    stopping: Callable[[], bool],
+) -> bool:
+    """Until the gateway's /health answers 200; False if it exits or never does."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    url = gateway_url(config) + "/health"
+    # Our own child's certificate (often self-signed, for another name): the probe
+    # asks whether it serves, not who it is.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    while time.monotonic() < deadline and not stopping():
+        proc = process()
+        if proc is None or proc.poll() is not None:
+            log.error("the gateway exited during start-up")
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2.0, context=context) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    if not stopping():
+        log.error("the gateway did not become ready within %.0f s", READY_TIMEOUT_S)
+    return False
+
+
 def run_serve(
     server: ServerConfig, config: SchedulerConfig, gateway: GatewayConfig | None = None
 ) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if server.data_parallel_size > 1:
+        from scheduler_svc.replica_supervisor import ReplicaSupervisor
+
+        return ReplicaSupervisor(server, config, gateway).run()
     return Supervisor(server, config, gateway).run()

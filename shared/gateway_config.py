@@ -216,6 +216,23 @@ class GatewayConfig(Settings, frozen=True):
             "0 = clients may only ask for less urgency than the default.",
         ),
     ] = 0
+    replica_frontends: Annotated[
+        str,
+        Meta(
+            description="Data-parallel replicas to balance across: their schedulers' "
+            "frontends, comma-separated (serve --data-parallel-size sets it); empty = "
+            "[server] frontend alone.",
+        ),
+    ] = ""
+    replica_kv_events: Annotated[
+        str,
+        Meta(
+            description="With replica_frontends: each replica's kv_events_endpoint, "
+            "comma-separated in the same order, for prefix affinity (a request goes to the "
+            "replica caching most of its prompt unless it is much busier); empty = least "
+            "loaded alone.",
+        ),
+    ] = ""
     metrics_prefix: Annotated[
         MetricsPrefix,
         Meta(
@@ -240,6 +257,13 @@ class GatewayConfig(Settings, frozen=True):
             raise ConfigError(
                 f"{missing}: HTTPS needs both ssl_certfile and ssl_keyfile", field=missing
             )
+        frontends, events = self.replica_list, self.replica_kv_event_list
+        if events and len(events) != len(frontends):
+            raise ConfigError(
+                f"replica_kv_events: {len(events)} endpoints for {len(frontends)} "
+                "replica_frontends (one per replica, in the same order)",
+                field="replica_kv_events",
+            )
         if not self.host:
             raise ConfigError("host: must not be empty", field="host")
         if self.api_key and self.api_key_file:
@@ -250,6 +274,14 @@ class GatewayConfig(Settings, frozen=True):
                 "(api_key_file, or the EXPEDITOR_API_KEY variable) or listen on 127.0.0.1",
                 field="host",
             )
+
+    @property
+    def replica_list(self) -> list[str]:
+        return [f.strip() for f in self.replica_frontends.split(",") if f.strip()]
+
+    @property
+    def replica_kv_event_list(self) -> list[str]:
+        return [e.strip() for e in self.replica_kv_events.split(",") if e.strip()]
 
     def read_api_key(self) -> str | None:
         """The API key, read from ``api_key_file`` if that is set; None = no key."""

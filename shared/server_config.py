@@ -248,6 +248,24 @@ class ServerConfig(ModelConfig, frozen=True):
         ),
     ] = 256 * 1024 * 1024
 
+    data_parallel_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="serve: replicas to start, each its own scheduler, KV pool and "
+            "workers (tensor_parallel_size ranks; on CUDA its own GPUs, CUDA_VISIBLE_DEVICES "
+            "split), the gateway balancing requests across them (least loaded, with prefix "
+            "affinity from their KV events).",
+        ),
+    ] = 1
+    data_parallel_rank: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="This replica's index among data-parallel replicas (serve sets it): "
+            "its KV events carry it as dp_rank.",
+        ),
+    ] = 0
     kv_events_endpoint: Annotated[
         str,
         Meta(

@@ -47,6 +47,7 @@ from expeditor.gateway.protocol import (
     TokenizeRequest,
     decode_body,
 )
+from expeditor.gateway.replicas import ReplicaRouter, merge_replies
 from expeditor.gateway.responses import error_body, error_of, json_bytes
 from ipc.async_client import AsyncClient
 from ipc.errors import (
@@ -101,11 +102,17 @@ class Gateway:
         the gateway applies to the prompts it renders and tokenizes itself (chat,
         /tokenize) before spending time on them."""
         self.frontend = frontend
+        self.frontends = config.replica_list or [frontend]
+        """The schedulers this gateway sends to: one, or data-parallel replicas."""
         self.max_prompt_bytes = max_prompt_bytes
         self.config = config
         self.api_key = api_key.encode() if api_key else None
         self.curve = curve or {}
         self.client: AsyncClient | None = None
+        """The first replica's client (the only one without replicas)."""
+        self.clients: list[AsyncClient] = []
+        self.replicas: ReplicaRouter | None = None
+        """With several replicas: which one runs each request."""
         self.model: ServedModel | None = None
         self._model_lock = asyncio.Lock()
         self.stopping = False
@@ -125,21 +132,38 @@ class Gateway:
 
     async def _metrics_reply(self) -> Any:
         assert self.client is not None
-        return await self.client.metrics(timeout=CONTROL_TIMEOUT_S)
+        if self.replicas is None:
+            return await self.client.metrics(timeout=CONTROL_TIMEOUT_S)
+        replies = await asyncio.gather(
+            *(c.metrics(timeout=CONTROL_TIMEOUT_S) for c in self.clients), return_exceptions=True
+        )
+        answered = [r for r in replies if not isinstance(r, BaseException)]
+        if not answered:
+            raise replies[0]  # type: ignore[misc]
+        return merge_replies(answered)
 
     def start(self) -> None:
         timeout = self.config.scheduler_timeout_s
-        self.client = AsyncClient(
-            self.frontend,
-            timeout=None,
-            ping_interval=min(1.0, timeout / 3),
-            server_timeout_s=timeout,
-            **self.curve,  # type: ignore[arg-type]  # the three CURVE keyword arguments
-        )
+        self.clients = [
+            AsyncClient(
+                frontend,
+                timeout=None,
+                ping_interval=min(1.0, timeout / 3),
+                server_timeout_s=timeout,
+                **self.curve,  # type: ignore[arg-type]  # the three CURVE keyword arguments
+            )
+            for frontend in self.frontends
+        ]
+        self.client = self.clients[0]
+        if len(self.clients) > 1:
+            self.replicas = ReplicaRouter(self.clients, self.config.replica_kv_event_list)
+            self.replicas.start()
 
     async def stop(self) -> None:
-        if self.client is not None:
-            await self.client.close()
+        if self.replicas is not None:
+            await self.replicas.stop()
+        for client in self.clients:
+            await client.close()
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; give those in flight ``grace_s`` to finish, then end the
@@ -168,7 +192,10 @@ class Gateway:
         async with self._model_lock:
             if self.model is None:
                 assert self.client is not None
-                reply = await self.client.inspect(timeout=CONTROL_TIMEOUT_S)
+                client = self.client
+                if self.replicas is not None:  # one that answers
+                    client = self.clients[self.replicas.pick(None)]
+                reply = await client.inspect(timeout=CONTROL_TIMEOUT_S)
                 if reply.snapshot is None:
                     raise GatewayRequestError(
                         "the server is starting: no worker has registered yet",
@@ -216,6 +243,28 @@ def _error_response(exc: Exception) -> Response:
     return Response(
         json_bytes(body), status_code=body["error"]["code"], media_type="application/json"
     )
+
+
+async def _replicas_health(gateway: Gateway) -> Response:
+    """Ready while one replica serves; each replica's state in the body."""
+    replies = await asyncio.gather(
+        *(c.health(timeout=HEALTH_TIMEOUT_S) for c in gateway.clients), return_exceptions=True
+    )
+    states = []
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            states.append({"status": "unavailable"})
+        else:
+            states.append({"status": reply.status.value, "workers_ready": reply.workers_ready})
+    serving = sum(
+        s["status"] in ("ok", "degraded") and s.get("workers_ready", 0) > 0 for s in states
+    )
+    body = {
+        "status": "ok" if serving else "unavailable",
+        "replicas_serving": serving,
+        "replicas": states,
+    }
+    return _json(body, 200 if serving else 503)
 
 
 def _json(body: dict[str, Any] | list[Any], status: int = 200) -> Response:
@@ -342,6 +391,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         assert gateway.client is not None
+        if gateway.replicas is not None:
+            return await _replicas_health(gateway)
         try:
             status = await gateway.client.health(timeout=HEALTH_TIMEOUT_S)
         except (ServerError, ServerUnavailableError, ClientTimeoutError, ClientClosedError):

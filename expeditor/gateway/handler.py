@@ -105,11 +105,38 @@ class Handler:
             "user": self.user,
         }
 
+    async def _replica(self, index: int) -> int | None:
+        """The replica that runs prompt ``index`` (None: a single scheduler), its load
+        counted until :meth:`_released`."""
+        replicas = self.gateway.replicas
+        if replicas is None:
+            return None
+        ids = await self._prompt_ids(index) if replicas.kv_events else None
+        replica = replicas.pick(ids)
+        replicas.load[replica] += 1
+        return replica
+
+    def _released(self, replica: int | None, exc: BaseException | None) -> None:
+        replicas = self.gateway.replicas
+        if replicas is not None and replica is not None:
+            replicas.load[replica] -= 1
+            if exc is not None:
+                replicas.failed(replica, exc)
+
+    def _client_of(self, replica: int | None) -> AsyncClient:
+        return self.client if replica is None else self.gateway.clients[replica]
+
     async def _generate(self, index: int) -> ClientCompletion:
         text = self.prompts[index][0]
         if self.body.zero_tokens and self.params.prompt_logprobs is None:
             return self._nothing_to_generate(index, await self._prompt_ids(index))
-        done = await self.client.generate(text, **self._request_args(index))
+        replica = await self._replica(index)
+        try:
+            done = await self._client_of(replica).generate(text, **self._request_args(index))
+        except BaseException as exc:
+            self._released(replica, exc)
+            raise
+        self._released(replica, None)
         if done.prompt_logprobs is not None:
             self.prompt_ids[index] = done.prompt_token_ids
             self.prompt_lps[index] = done.prompt_logprobs
@@ -239,20 +266,28 @@ class Handler:
                     ),
                 )
             return
-        stream = self.client.stream(text, **self._request_args(index))
-        async with stream:  # leaving early (disconnect, error) aborts the request
-            async for delta in stream:
-                if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
-                    self.prompt_tokens[index] = len(stream.prompt_token_ids)
-                if delta.prompt_logprobs is not None and stream.prompt_token_ids is not None:
-                    self.prompt_ids[index] = stream.prompt_token_ids
-                    self.prompt_lps[index] = delta.prompt_logprobs
-                more = stream.ready()  # fell behind: one chunk per sample for all of it
-                if not more:
-                    yield index, delta
-                    continue
-                for merged in merge_deltas([delta, *more]):
-                    yield index, merged
+        replica = await self._replica(index)
+        failure: BaseException | None = None
+        try:
+            stream = self._client_of(replica).stream(text, **self._request_args(index))
+            async with stream:  # leaving early (disconnect, error) aborts the request
+                async for delta in stream:
+                    if stream.prompt_token_ids is not None and not self.prompt_tokens[index]:
+                        self.prompt_tokens[index] = len(stream.prompt_token_ids)
+                    if delta.prompt_logprobs is not None and stream.prompt_token_ids is not None:
+                        self.prompt_ids[index] = stream.prompt_token_ids
+                        self.prompt_lps[index] = delta.prompt_logprobs
+                    more = stream.ready()  # fell behind: one chunk per sample for all of it
+                    if not more:
+                        yield index, delta
+                        continue
+                    for merged in merge_deltas([delta, *more]):
+                        yield index, merged
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self._released(replica, failure)
         assert stream.completion is not None
         self.usages[index] = stream.completion.usage
 

@@ -189,6 +189,8 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("kv_events_replay_endpoint", "tcp://127.0.0.1:5558"),  # with no kv_events_endpoint
     ("kv_events_topic", 3),
     ("kv_events_buffer_steps", 0),
+    ("data_parallel_size", 0),
+    ("data_parallel_rank", -1),
 ]
 
 
@@ -283,6 +285,8 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
         kv_events_replay_endpoint="ipc:///run/kv-replay",
         kv_events_topic="kv@10.0.0.1:8000@m",
         kv_events_buffer_steps=5,
+        data_parallel_size=2,
+        data_parallel_rank=1,
     )
     assert all(getattr(cfg, name) != getattr(ServerConfig(), name) for name in SERVER_FIELDS)
     text = server_config_to_toml(cfg)

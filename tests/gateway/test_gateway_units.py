@@ -372,12 +372,12 @@ def test_gateway_settings(tmp_path: Path) -> None:
         GatewayConfig(api_key_file=str(tmp_path / "missing")).read_api_key()
     with pytest.raises(ConfigError, match="port"):
         GatewayConfig(port=70000)
-    with pytest.raises(ConfigError, match="^ssl_keyfile: HTTPS needs both") as info:
+    with pytest.raises(ConfigError, match=r"^ssl_keyfile: HTTPS needs both") as info:
         GatewayConfig(ssl_certfile="cert.pem")
     assert info.value.field == "ssl_keyfile"
-    with pytest.raises(ConfigError, match="^ssl_certfile: HTTPS needs both"):
+    with pytest.raises(ConfigError, match=r"^ssl_certfile: HTTPS needs both"):
         GatewayConfig(ssl_keyfile="key.pem")
-    with pytest.raises(ConfigError, match="^metrics_prefix: "):
+    with pytest.raises(ConfigError, match=r"^metrics_prefix: "):
         GatewayConfig(metrics_prefix="prom")  # type: ignore[arg-type]
     toml = tmp_path / "x.toml"
     toml.write_text('[server]\nmodel = ""\n[gateway]\nport = 9001\nmax_body_bytes = 4096\n')
