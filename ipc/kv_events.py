@@ -46,6 +46,7 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):

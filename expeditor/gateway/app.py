@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -245,6 +246,22 @@ def _error_response(exc: Exception) -> Response:
     )
 
 
+def _known_fields(raw: bytes, kind: type[Any], ignored: list[str]) -> bytes:
+    """``raw`` without the top-level fields ``kind`` does not declare (their names added
+    to ``ignored``); a body that is not a JSON object is left to the decoder's error."""
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw
+    if not isinstance(data, dict):
+        return raw
+    known = {field.encode_name for field in msgspec.structs.fields(kind)}
+    ignored += sorted(name for name in data if name not in known)
+    if not ignored:
+        return raw
+    return msgspec.json.encode({k: v for k, v in data.items() if k in known})
+
+
 async def _replicas_health(gateway: Gateway) -> Response:
     """Ready while one replica serves; each replica's state in the body."""
     replies = await asyncio.gather(
@@ -289,13 +306,19 @@ def create_app(gateway: Gateway) -> FastAPI:
         _add_api_docs(app, gateway)
     limit = gateway.config.max_body_bytes
 
-    async def _open(request: Request, kind: type[Any]) -> tuple[Any, ServedModel]:
+    async def _open(
+        request: Request, kind: type[Any], ignored: list[str] | None = None
+    ) -> tuple[Any, ServedModel]:
         """The checked body of a request to the model and the model (API key, size,
-        JSON, the model's name: each refused with its own error)."""
+        JSON, the model's name: each refused with its own error). With ``ignored``, top-
+        level fields ``kind`` does not know are dropped and listed there instead of
+        refused (the render routes: routers add their own fields to what they render)."""
         check_api_key(request, gateway.api_key)
         raw = await read_body(request, limit)
         if len(raw) >= TRIM_AFTER_BYTES:
             _LARGE_BODY.set(gateway.trimmer)
+        if ignored is not None:
+            raw = _known_fields(raw, kind, ignored)
         body = decode_body(raw, kind)
         del raw
         model = await gateway.served_model()
@@ -337,11 +360,15 @@ def create_app(gateway: Gateway) -> FastAPI:
                 gateway.finished()
 
     async def _render(request: Request, kind: type[Any], handler_type: type[Any]) -> Response:
-        body, model = await _open(request, kind)
+        ignored: list[str] = []
+        body, model = await _open(request, kind, ignored)
         check_priority(body.priority, gateway.config.min_client_priority)
         handler = handler_type(gateway, model, body, f"{handler_type.ID_PREFIX}{uuid.uuid4().hex}")
         await handler.prepare()
         rendered = await handler.render()
+        if ignored:  # said, not silently dropped
+            for item in rendered:
+                item["ignored_fields"] = ignored
         return _json(rendered if handler_type is CompletionHandler else rendered[0])
 
     @app.post("/v1/completions/render")
