@@ -131,9 +131,7 @@ class SchedulerDaemon:
                 topic=server.kv_events_topic,
                 replay_endpoint=server.kv_events_replay_endpoint,
                 buffer_steps=server.kv_events_buffer_steps,
-                data_parallel_rank=server.data_parallel_rank
-                if server.data_parallel_rank or server.data_parallel_size > 1
-                else None,
+                data_parallel_rank=server.data_parallel_rank,
             )
             if server.kv_events_endpoint
             else None

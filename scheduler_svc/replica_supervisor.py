@@ -32,7 +32,13 @@ from types import FrameType
 
 import msgspec
 
-from scheduler_svc.supervisor import READY_TIMEOUT_S, STOP_GRACE_S, gateway_url, wait_gateway
+from scheduler_svc.supervisor import (
+    READY_TIMEOUT_S,
+    STOP_GRACE_S,
+    gateway_url,
+    wait_gateway,
+    write_private_config,
+)
 from shared.config import SchedulerConfig, config_to_toml
 from shared.gateway_config import GatewayConfig, gateway_config_to_toml
 from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
@@ -101,7 +107,7 @@ class ReplicaSupervisor:
         self.size = server.data_parallel_size
         gpus = _gpus_visible() if server.device != "cpu" else None
         ranks = server.tensor_parallel_size
-        if gpus is not None and server.device != "auto" and len(gpus) < self.size * ranks:
+        if gpus is not None and len(gpus) < self.size * ranks:
             log.warning(
                 "%d replicas of %d ranks on %d GPUs: replicas share GPUs",
                 self.size,
@@ -143,7 +149,9 @@ class ReplicaSupervisor:
                 cpu_threads=threads,
             )
             path = folder / "expeditor.toml"
-            _write_private(path, [server_config_to_toml(replica_server), config_to_toml(config)])
+            write_private_config(
+                path, [server_config_to_toml(replica_server), config_to_toml(config)]
+            )
             env = dict(os.environ, **{SUPERVISED_ENV: "1"})
             if gpus is not None:
                 share = [gpus[(index * ranks + r) % len(gpus)] for r in range(ranks)]
@@ -166,7 +174,7 @@ class ReplicaSupervisor:
                 frontend=self.gateway_config.replica_list[0],
                 worker_endpoint="",
             )
-            _write_private(  # may hold the API key: owner only
+            write_private_config(
                 self.gateway_path,
                 [server_config_to_toml(first), gateway_config_to_toml(self.gateway_config)],
             )
@@ -286,9 +294,3 @@ class ReplicaSupervisor:
                 self.gateway.kill()
                 self.gateway.wait()
         return failed
-
-
-def _write_private(path: Path, tables: list[str]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as file:
-        file.write("\n".join(tables))

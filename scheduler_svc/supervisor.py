@@ -62,9 +62,7 @@ class Supervisor:
         tables = [server_config_to_toml(server), config_to_toml(config)]
         if gateway is not None:
             tables.append(gateway_config_to_toml(gateway))
-        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as file:  # may hold the gateway's API key: owner only
-            file.write("\n".join(tables))
+        write_private_config(self.config_path, tables)
         self.gateway_config = gateway
         self.gateway: subprocess.Popen[bytes] | None = None
         self.gateway_restart_at: float | None = None
@@ -250,6 +248,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def write_private_config(path: Path, tables: list[str]) -> None:
+    """A new config file of ``tables``, readable by this user only (it may hold the
+    gateway's API key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write("\n".join(tables))
 
 
 def gateway_url(config: GatewayConfig) -> str:

@@ -195,7 +195,7 @@ class Gateway:
                 assert self.client is not None
                 client = self.client
                 if self.replicas is not None:  # one that answers
-                    client = self.clients[self.replicas.pick(None)]
+                    client = self.clients[self.replicas.first_up()]
                 reply = await client.inspect(timeout=CONTROL_TIMEOUT_S)
                 if reply.snapshot is None:
                     raise GatewayRequestError(

@@ -107,11 +107,15 @@ class Handler:
 
     async def _replica(self, index: int) -> int | None:
         """The replica that runs prompt ``index`` (None: a single scheduler), its load
-        counted until :meth:`_released`."""
+        counted until :meth:`_released`. A text prompt the gateway tokenizes to route
+        it is sent as its ids (tokenized as the scheduler would: not twice)."""
         replicas = self.gateway.replicas
         if replicas is None:
             return None
-        ids = await self._prompt_ids(index) if replicas.kv_events else None
+        ids = None
+        if replicas.kv_events:
+            ids = await self._prompt_ids(index)
+            self.prompts[index] = (None, ids)
         replica = replicas.pick(ids)
         replicas.load[replica] += 1
         return replica
@@ -127,10 +131,10 @@ class Handler:
         return self.client if replica is None else self.gateway.clients[replica]
 
     async def _generate(self, index: int) -> ClientCompletion:
-        text = self.prompts[index][0]
         if self.body.zero_tokens and self.params.prompt_logprobs is None:
             return self._nothing_to_generate(index, await self._prompt_ids(index))
         replica = await self._replica(index)
+        text = self.prompts[index][0]
         try:
             done = await self._client_of(replica).generate(text, **self._request_args(index))
         except BaseException as exc:
@@ -249,7 +253,6 @@ class Handler:
         )
 
     async def _one_stream(self, index: int) -> AsyncIterator[tuple[int, Delta]]:
-        text = self.prompts[index][0]
         if self.body.zero_tokens:
             done = await self._generate(index)
             self.prompt_tokens[index] = done.usage.prompt_tokens
@@ -267,6 +270,7 @@ class Handler:
                 )
             return
         replica = await self._replica(index)
+        text = self.prompts[index][0]
         failure: BaseException | None = None
         try:
             stream = self._client_of(replica).stream(text, **self._request_args(index))

@@ -64,10 +64,8 @@ class ReplicaRouter:
         self.cached: list[set[tuple[str | None, int]]] = [set() for _ in clients]
         """Per replica, the (medium, block hash) pairs its prefix cache holds."""
         self.up = [True] * len(clients)
-        self.routed = [0] * len(clients)
-        """Requests sent to each replica (for /health and tests)."""
         self.prefix_routed = 0
-        """Of them, sent for a cached prefix."""
+        """Requests sent to a replica for its cached prefix."""
         self._turn = 0
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -119,8 +117,12 @@ class ReplicaRouter:
             if matched[best] and load[best] - least <= bound:
                 choice = best
                 self.prefix_routed += 1
-        self.routed[choice] += 1
         return choice
+
+    def first_up(self) -> int:
+        """A replica that answers (the first; 0 when none does), for lookups that are
+        no request: nothing is counted."""
+        return next((i for i, up in enumerate(self.up) if up), 0)
 
     def failed(self, index: int, exc: BaseException) -> None:
         """A request on replica ``index`` failed: if its scheduler is unavailable, send

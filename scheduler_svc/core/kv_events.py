@@ -55,16 +55,14 @@ class KVEventLog:
         self.block_size = block_size
         self.pending: list[CacheEvent] = [("cleared",)]
         """Recording starts from nothing: a subscriber drops what it knew."""
-        self.num_events = 0
-        """Events taken so far (merged ones count once)."""
 
     def stored(
         self, medium: Medium, block_hash: int, parent_hash: int | None, tokens: tuple[int, ...]
     ) -> None:
         """``block_hash`` (its tokens after ``parent_hash``'s, None for a first block)
         is now cached on ``medium``."""
-        ext = block_hash & EXTERNAL_HASH_MASK
-        parent = None if parent_hash is None else parent_hash & EXTERNAL_HASH_MASK
+        ext = external_hash(block_hash)
+        parent = None if parent_hash is None else external_hash(parent_hash)
         pending = self.pending
         if pending:
             last = pending[-1]
@@ -75,7 +73,7 @@ class KVEventLog:
         pending.append(("stored", medium, [ext], parent, list(tokens)))
 
     def removed(self, medium: Medium, block_hash: int) -> None:
-        ext = block_hash & EXTERNAL_HASH_MASK
+        ext = external_hash(block_hash)
         pending = self.pending
         if pending:
             last = pending[-1]
@@ -90,13 +88,12 @@ class KVEventLog:
 
     def take(self) -> list[CacheEvent]:
         events, self.pending = self.pending, []
-        self.num_events += len(events)
         return events
 
 
 def apply_events(index: set[tuple[Medium, int]], events: list[CacheEvent]) -> None:
     """Fold ``events`` into ``index`` (the (medium, external hash) pairs cached): what a
-    subscriber does, here for tests and ``expeditor simulate``."""
+    subscriber does (the tests check the index against the cache)."""
     for event in events:
         if event[0] == "cleared":
             index.clear()

@@ -80,6 +80,30 @@ def test_two_replicas_spread_requests_and_stay_exact(served, expected) -> None:
     assert all(m >= MAX_TOKENS for m in moved), moved  # both replicas served
 
 
+def test_a_text_prompt_gets_what_the_scheduler_would_generate(served) -> None:
+    """With replicas the gateway tokenizes a text prompt to route it and sends its ids:
+    the output is the scheduler's own for the text."""
+    frontends, url, _ = served
+    text = "A text prompt, tokenized once"
+    with Client(frontends[0], timeout=60) as client:
+        direct = client.generate(text, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    async def through_gateway() -> tuple[list[int], int]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        name = (await client.models.list()).data[0].id
+        reply = await client.completions.create(
+            model=name, prompt=text, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        await client.close()
+        tokens = [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+        return tokens, reply.usage.prompt_tokens
+
+    tokens, prompt_tokens = asyncio.run(through_gateway())
+    assert tokens == direct.token_ids
+    assert prompt_tokens == len(direct.prompt_token_ids)
+
+
 def test_a_shared_prefix_goes_where_it_is_cached(served) -> None:
     frontends, url, _ = served
     hits_before = [_generated(f)[1] for f in frontends]

@@ -90,7 +90,7 @@ def test_served_kv_events_describe_the_cached_prompts(model: Path) -> None:
         assert all(0 <= h < 2**63 for h in event.block_hashes)
     # Each event a tagged map on the wire (vllm-router refuses positional arrays).
     raw = msgspec.msgpack.decode(everything[1][1])
-    assert isinstance(raw, list) and len(raw) == 3 and raw[2] is None
+    assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0  # dp_rank, as vLLM's
     assert all(isinstance(e, dict) and "type" in e for e in raw[1])
     assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"} <= set(
         raw[1][0]
