@@ -152,9 +152,8 @@ class ServerConfig(ModelConfig, frozen=True):
         int,
         Meta(
             ge=1,
-            description="Worker processes (ranks) expected. Without tensor parallelism each "
-            "is a whole replica that runs every plan; with tensor_parallel_size N it must be "
-            "N (or 1, which means N).",
+            description="Worker processes (ranks) expected: 1, or with tensor_parallel_size "
+            "N, N (1 also means N). More replicas are data_parallel_size, not workers.",
         ),
     ] = 1
     device: Annotated[
@@ -296,6 +295,15 @@ class ServerConfig(ModelConfig, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.tensor_parallel_size == 1 and self.workers > 1:
+            raise ConfigError(
+                f"workers: {self.workers} workers without tensor parallelism would each run "
+                f"every plan (mirrors: {self.workers}x the compute for one replica's "
+                f"throughput). For {self.workers} replicas give data_parallel_size = "
+                f"{self.workers} (serve --data-parallel-size {self.workers}); to split the "
+                f"model over {self.workers} ranks, tensor_parallel_size = {self.workers}",
+                field="workers",
+            )
         if self.tensor_parallel_size > 1 and self.workers not in (1, self.tensor_parallel_size):
             raise ConfigError(
                 f"workers: with tensor_parallel_size {self.tensor_parallel_size} the workers "
@@ -343,8 +351,8 @@ class ServerConfig(ModelConfig, frozen=True):
 
     @property
     def num_ranks(self) -> int:
-        """Worker processes the scheduler waits for: the group's ranks, or the replicas."""
-        return self.tensor_parallel_size if self.tensor_parallel_size > 1 else self.workers
+        """Worker processes the scheduler waits for: the tensor-parallel group's ranks."""
+        return self.tensor_parallel_size
 
     @property
     def curve(self) -> bool:

@@ -20,19 +20,21 @@ from shared.server_config import (
 
 def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[server]\nworkers = 2\ndevice = "cpu"\nclient_timeout_s = 3.0\n')
+    path.write_text('[server]\ncpu_threads = 2\ndevice = "cpu"\nclient_timeout_s = 3.0\n')
     cfg = load_server_config(
         path,
-        env={"EXPEDITOR_WORKERS": "3", "EXPEDITOR_RESTART_WORKERS": "no"},
-        overrides={"workers": 4, "model": None},
+        env={"EXPEDITOR_CPU_THREADS": "3", "EXPEDITOR_RESTART_WORKERS": "no"},
+        overrides={"cpu_threads": 4, "model": None},
     )
-    assert cfg.workers == 4 and cfg.device == "cpu" and cfg.client_timeout_s == 3.0
+    assert cfg.cpu_threads == 4 and cfg.device == "cpu" and cfg.client_timeout_s == 3.0
     assert cfg.restart_workers is False and cfg.model == ""
-    assert load_server_config(path, env={"EXPEDITOR_WORKERS": "3"}).workers == 3
+    assert load_server_config(path, env={"EXPEDITOR_CPU_THREADS": "3"}).cpu_threads == 3
 
 
 def test_round_trip_through_toml(tmp_path: Path) -> None:
-    cfg = ServerConfig(model='we"ird', frontend="ipc://x/fe.sock", workers=2, restart_workers=False)
+    cfg = ServerConfig(
+        model='we"ird', frontend="ipc://x/fe.sock", cpu_threads=2, restart_workers=False
+    )
     path = tmp_path / "c.toml"
     path.write_text(server_config_to_toml(cfg))
     assert load_server_config(path, env={}) == cfg
@@ -305,7 +307,18 @@ def test_tables_share_no_field_name() -> None:
 def test_tensor_parallel_ranks_are_the_workers() -> None:
     assert ServerConfig(tensor_parallel_size=4).num_ranks == 4
     assert ServerConfig(tensor_parallel_size=4, workers=4).num_ranks == 4
-    assert ServerConfig(workers=3).num_ranks == 3  # replicas
+    assert ServerConfig(workers=1).num_ranks == 1
     with pytest.raises(ConfigError, match=r"^workers: with tensor_parallel_size 2") as info:
         ServerConfig(tensor_parallel_size=2, workers=3)
     assert info.value.field == "workers"
+
+
+def test_workers_without_tensor_parallelism_point_to_replicas() -> None:
+    """Mirrors (N workers each running every plan) are refused, naming the flags that
+    give N replicas or N ranks instead."""
+    with pytest.raises(ConfigError, match=r"^workers: 2 workers without tensor") as info:
+        ServerConfig(workers=2)
+    assert info.value.field == "workers"
+    assert "data_parallel_size = 2" in str(info.value) and "tensor_parallel_size = 2" in str(
+        info.value
+    )

@@ -589,47 +589,18 @@ def test_bench_expeditor_target_reports_step_ms(model: Path) -> None:
     assert all(value >= 0 for value in step_ms.values()) and step_ms["steps"] >= 1, step_ms
 
 
-def test_two_ranks_serve_and_survive_losing_one(model: Path, expected) -> None:
-    """Every rank runs every plan; losing one re-queues the running requests, the
-    restarted rank joins with the same block count, and outputs stay exact."""
-    flags = [
-        "--workers",
-        "2",
-        "--num-gpu-blocks",
-        "64",
-        "--block-size",
-        "4",
-        "--num-cpu-blocks",
-        "128",
-        "--max-num-batched-tokens",
-        "32",
-        "--watermark",
-        "0",
-        "--worker-timeout-s",
-        "60",  # only the death counts, seen at once (the test freezes the worker first)
-    ]
-    with running_server(model, *flags) as (address, proc):
-
-        async def scenario() -> tuple[list[list[int]], int, InspectReply, InspectReply]:
-            async with AsyncClient(address, timeout=300) as client:
-                before = await client.inspect()
-                assert sorted(w.rank for w in before.workers if w.state == "ready") == [0, 1]
-                tasks = [
-                    asyncio.ensure_future(
-                        client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                    )
-                    for p in PROMPTS[:12]
-                ]
-                killed, _ = await _kill_a_worker_running_requests(client, proc)
-                results = await asyncio.gather(*tasks)
-                return [r.token_ids for r in results], killed, before, await client.inspect()
-
-        outputs, killed, before, after = asyncio.run(scenario())
-    assert outputs == expected[:12]
-    ready = {w.rank: w for w in after.workers if w.state is WorkerStatus.READY}
-    assert sorted(ready) == [0, 1] and killed not in {w.pid for w in ready.values()}
-    blocks = {w.rank: w.num_gpu_blocks for w in before.workers}
-    assert {rank: w.num_gpu_blocks for rank, w in ready.items()} == blocks
+def test_serve_refuses_mirrored_workers_naming_the_replica_flag(model: Path) -> None:
+    """--workers 2 without tensor parallelism (two mirrors running every plan) stops
+    before anything starts, pointing to --data-parallel-size."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "expeditor", "serve", "--model", str(model), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=SERVE_SAFETY_S,
+    )
+    assert proc.returncode != 0
+    message = " ".join(proc.stderr.split())  # the CLI wraps long errors
+    assert "data_parallel_size = 2" in message and "--data-parallel-size 2" in message
 
 
 def test_random_frames_never_take_the_server_down(server) -> None:
