@@ -79,6 +79,16 @@ def serve(
             "settings apply), e.g. 127.0.0.1:8000.",
         ),
     ] = None,
+    replica: Annotated[
+        int | None,
+        typer.Option(
+            "--replica",
+            metavar="INDEX",
+            help="Run only replica INDEX of data_parallel_size (one systemd instance per "
+            "replica): the given endpoints, KV event sockets and --http port offset by "
+            "INDEX, its GPUs of CUDA_VISIBLE_DEVICES, its share of the cores.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
     *,
     server_overrides: dict[str, Any],
@@ -118,7 +128,12 @@ def serve(
             )
         except ConfigError as exc:
             fail(str(exc))
-    raise typer.Exit(run_serve(server, resolve_config(config, config_overrides), gateway))
+    if replica is not None and not 0 <= replica < server.data_parallel_size:
+        fail(
+            f"--replica {replica}: not one of data_parallel_size {server.data_parallel_size} "
+            f"replicas (0 .. {server.data_parallel_size - 1})"
+        )
+    raise typer.Exit(run_serve(server, resolve_config(config, config_overrides), gateway, replica))
 
 
 @app.command()

@@ -32,18 +32,21 @@ from types import FrameType
 
 import msgspec
 
+from scheduler_svc import sdnotify
 from scheduler_svc.supervisor import (
     READY_TIMEOUT_S,
     STOP_GRACE_S,
+    child_env,
     gateway_url,
     wait_gateway,
     write_private_config,
 )
 from shared.config import SchedulerConfig, config_to_toml
+from shared.errors import ConfigError
 from shared.gateway_config import GatewayConfig, gateway_config_to_toml
-from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
+from shared.server_config import ServerConfig, server_config_to_toml
 
-__all__ = ["ReplicaSupervisor", "nth_endpoint"]
+__all__ = ["ReplicaSupervisor", "nth_endpoint", "one_replica", "replica_server"]
 
 log = logging.getLogger("expeditor.serve")
 
@@ -71,6 +74,59 @@ def _gpus_visible() -> list[str] | None:
         if p.name[len("nvidia") :].isdigit()
     )
     return [str(d) for d in devices] or None
+
+
+def replica_server(
+    server: ServerConfig, index: int, folder: Path | None = None
+) -> tuple[ServerConfig, dict[str, str]]:
+    """Replica ``index``'s [server] settings and environment: its endpoints (those
+    given, offset by ``index``; else private sockets in ``folder``, or none for serve to
+    make), its GPUs (``CUDA_VISIBLE_DEVICES``: ``tensor_parallel_size`` devices each) or
+    on a CPU its share of the cores (``cpu_threads``, when not set)."""
+    size = server.data_parallel_size
+    gpus = _gpus_visible() if server.device != "cpu" else None
+    ranks = server.tensor_parallel_size
+
+    def endpoint(address: str, name: str) -> str:
+        if address:
+            return nth_endpoint(address, index)
+        return f"ipc://{folder}/{name}" if folder is not None else ""
+
+    threads = server.cpu_threads or (max(1, (os.cpu_count() or 1) // size) if gpus is None else 0)
+    replica = msgspec.structs.replace(
+        server,
+        data_parallel_size=1,
+        data_parallel_rank=index,
+        frontend=endpoint(server.frontend, "frontend.sock"),
+        worker_endpoint=endpoint(server.worker_endpoint, "workers.sock"),
+        kv_events_endpoint=endpoint(server.kv_events_endpoint, "kv-events.sock"),
+        kv_events_replay_endpoint=nth_endpoint(server.kv_events_replay_endpoint, index)
+        if server.kv_events_replay_endpoint
+        else "",
+        cpu_threads=threads,
+    )
+    env = {}
+    if gpus is not None:
+        share = [gpus[(index * ranks + r) % len(gpus)] for r in range(ranks)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+    return replica, env
+
+
+def one_replica(
+    server: ServerConfig, gateway: GatewayConfig | None, index: int
+) -> tuple[ServerConfig, GatewayConfig | None, dict[str, str]]:
+    """``serve --replica INDEX``: replica ``index`` of ``data_parallel_size`` alone (one
+    systemd instance per replica), its gateway (with ``--http``) on port + ``index``."""
+    if not 0 <= index < server.data_parallel_size:
+        raise ConfigError(
+            f"replica: {index} is not one of data_parallel_size "
+            f"{server.data_parallel_size} replicas (0 .. {server.data_parallel_size - 1})",
+            field="replica",
+        )
+    replica, env = replica_server(server, index)
+    if gateway is not None:
+        gateway = msgspec.structs.replace(gateway, port=gateway.port + index)
+    return replica, gateway, env
 
 
 class _Replica:
@@ -114,49 +170,18 @@ class ReplicaSupervisor:
                 ranks,
                 len(gpus),
             )
-        threads = server.cpu_threads or (
-            max(1, (os.cpu_count() or 1) // self.size) if gpus is None else 0
-        )
         self.replicas: list[_Replica] = []
         events: list[str] = []
         frontends: list[str] = []
         for index in range(self.size):
             folder = self.rundir / f"replica{index}"
             folder.mkdir(mode=0o700)
-            kv_events = (
-                nth_endpoint(server.kv_events_endpoint, index)
-                if server.kv_events_endpoint
-                else f"ipc://{folder}/kv-events.sock"
-            )
-            events.append(kv_events)
-            frontends.append(
-                nth_endpoint(server.frontend, index)
-                if server.frontend
-                else f"ipc://{folder}/frontend.sock"
-            )
-            replica_server = msgspec.structs.replace(
-                server,
-                data_parallel_size=1,
-                data_parallel_rank=index,
-                frontend=frontends[-1],
-                worker_endpoint=nth_endpoint(server.worker_endpoint, index)
-                if server.worker_endpoint
-                else f"ipc://{folder}/workers.sock",
-                kv_events_endpoint=kv_events,
-                kv_events_replay_endpoint=nth_endpoint(server.kv_events_replay_endpoint, index)
-                if server.kv_events_replay_endpoint
-                else "",
-                cpu_threads=threads,
-            )
+            replica, env = replica_server(server, index, folder)
+            events.append(replica.kv_events_endpoint)
+            frontends.append(replica.frontend)
             path = folder / "expeditor.toml"
-            write_private_config(
-                path, [server_config_to_toml(replica_server), config_to_toml(config)]
-            )
-            env = dict(os.environ, **{SUPERVISED_ENV: "1"})
-            if gpus is not None:
-                share = [gpus[(index * ranks + r) % len(gpus)] for r in range(ranks)]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
-            self.replicas.append(_Replica(index, path, env))
+            write_private_config(path, [server_config_to_toml(replica), config_to_toml(config)])
+            self.replicas.append(_Replica(index, path, child_env(env)))
         self.gateway_config = (
             msgspec.structs.replace(
                 gateway,
@@ -212,12 +237,14 @@ class ReplicaSupervisor:
         print(",".join(r.frontend for r in self.replicas), flush=True)
         if self.gateway_config is not None:
             print(gateway_url(self.gateway_config), flush=True)
+        sdnotify.ready(f"{self.size} replicas serving")
         return True
 
     def _spawn_gateway(self) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "expeditor", "gateway", "--config", str(self.gateway_path)]
-        env = dict(os.environ, **{SUPERVISED_ENV: "1"})
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True
+        )
 
     def _wait_replicas(self) -> bool:
         """Until every replica printed its frontend (it serves); False if one exits or

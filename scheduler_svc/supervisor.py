@@ -31,6 +31,7 @@ from ipc.client import Client
 from ipc.curve import client_curve_options
 from ipc.errors import ClientTimeoutError, ServerError
 from ipc.schema import HealthState
+from scheduler_svc import sdnotify
 from shared.config import SchedulerConfig, config_to_toml
 from shared.gateway_config import GatewayConfig, gateway_config_to_toml
 from shared.server_config import SUPERVISED_ENV, ServerConfig, server_config_to_toml
@@ -88,8 +89,7 @@ class Supervisor:
             "--config",
             str(self.config_path),
         ]
-        env = dict(os.environ, **{SUPERVISED_ENV: "1"})
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=child_env())
 
     def _spawn_worker(self, rank: int) -> None:
         self.workers[rank] = self._spawn("worker", "--rank", str(rank))
@@ -127,6 +127,7 @@ class Supervisor:
             print(self.server.frontend, flush=True)
             if self.gateway_config is not None:
                 print(self.gateway_url, flush=True)
+            sdnotify.ready(f"serving on {self.server.frontend}")
             return self._supervise()
         finally:
             self._stop_all()
@@ -250,6 +251,14 @@ class Supervisor:
                 proc.wait()
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A supervised child's environment: marked supervised (Ctrl-C is left to serve),
+    without systemd's notify socket (serve itself reports readiness)."""
+    env = dict(os.environ, **{SUPERVISED_ENV: "1"}, **(extra or {}))
+    env.pop("NOTIFY_SOCKET", None)
+    return env
+
+
 def write_private_config(path: Path, tables: list[str]) -> None:
     """A new config file of ``tables``, readable by this user only (it may hold the
     gateway's API key)."""
@@ -296,9 +305,20 @@ def wait_gateway(
 
 
 def run_serve(
-    server: ServerConfig, config: SchedulerConfig, gateway: GatewayConfig | None = None
+    server: ServerConfig,
+    config: SchedulerConfig,
+    gateway: GatewayConfig | None = None,
+    replica: int | None = None,
 ) -> int:
+    """Serve until stopped. ``replica``: run only that one of ``data_parallel_size``
+    replicas (one systemd instance per replica), on its own addresses and devices."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if replica is not None:
+        from scheduler_svc.replica_supervisor import one_replica
+
+        server, gateway, env = one_replica(server, gateway, replica)
+        os.environ.update(env)
+        return Supervisor(server, config, gateway).run()
     if server.data_parallel_size > 1:
         from scheduler_svc.replica_supervisor import ReplicaSupervisor
 

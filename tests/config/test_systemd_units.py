@@ -39,6 +39,10 @@ WORKER_TEMPLATE = "expeditor-worker@.service"
 WORKER_INSTANCE = "expeditor-worker@0.service"
 GATEWAY_UNIT = "expeditor-gateway.service"
 TARGET_UNIT = "expeditor.target"
+REPLICA_TEMPLATE = "expeditor-replica@.service"
+REPLICA_INSTANCE = "expeditor-replica@1.service"
+REPLICAS_TARGET = "expeditor-replicas.target"
+TARGETS = (TARGET_UNIT, REPLICAS_TARGET)
 EXAMPLE_CONFIG = SYSTEMD_DIR / "expeditor.toml"
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -67,14 +71,15 @@ def _stand_in_command() -> str:
 def _stage_units(directory: Path) -> list[Path]:
     """Copy the units into ``directory`` ready for ``verify``; return the files to check."""
     command = _stand_in_command()
-    for name in (SCHEDULER_UNIT, WORKER_TEMPLATE, GATEWAY_UNIT, TARGET_UNIT):
+    names = (SCHEDULER_UNIT, WORKER_TEMPLATE, GATEWAY_UNIT, REPLICA_TEMPLATE, *TARGETS)
+    for name in names:
         text = (SYSTEMD_DIR / name).read_text()
-        assert INSTALLED_BINARY in text or name == TARGET_UNIT, name
+        assert INSTALLED_BINARY in text or name in TARGETS, name
         (directory / name).write_text(text.replace(INSTALLED_BINARY, command))
     shutil.copyfile(directory / WORKER_TEMPLATE, directory / WORKER_INSTANCE)
-    return [
-        directory / name for name in (SCHEDULER_UNIT, WORKER_INSTANCE, GATEWAY_UNIT, TARGET_UNIT)
-    ]
+    shutil.copyfile(directory / REPLICA_TEMPLATE, directory / REPLICA_INSTANCE)
+    checked = (SCHEDULER_UNIT, WORKER_INSTANCE, GATEWAY_UNIT, REPLICA_INSTANCE, *TARGETS)
+    return [directory / name for name in checked]
 
 
 def _verify(directory: Path, units: list[Path]) -> subprocess.CompletedProcess[str]:
@@ -92,7 +97,8 @@ def _verify(directory: Path, units: list[Path]) -> subprocess.CompletedProcess[s
 
 
 _OUR_UNIT = re.compile(
-    r"expeditor(-scheduler\.service|-worker@\S*\.service|-gateway\.service|\.target)"
+    r"expeditor(-scheduler\.service|-(worker|replica)@\S*\.service|-gateway\.service"
+    r"|(-replicas)?\.target)"
 )
 
 
@@ -195,6 +201,22 @@ def test_units_keep_the_daemons_able_to_share_ipc() -> None:
     assert scheduler["TimeoutStopSec"] == ["40"]  # shutdown_timeout_s (30) + 10 s
     # Enabled workers come back whenever the scheduler (re)starts, crash restarts included.
     assert set(worker["WantedBy"][0].split()) == {TARGET_UNIT, SCHEDULER_UNIT}
+
+
+def test_replica_unit_runs_one_replica_and_drains_it() -> None:
+    """One serve per instance, told which replica it is; SIGTERM reaches serve alone (it
+    drains the scheduler before stopping the workers); the shared runtime directory
+    outlives any one instance."""
+    replica = _unit_settings(REPLICA_TEMPLATE)
+    (command,) = replica["ExecStart"]
+    assert command.startswith(f"{INSTALLED_BINARY} serve ") and "--replica %i" in command
+    assert replica["Type"] == ["notify"] and replica["NotifyAccess"] == ["main"]
+    assert replica["KillMode"] == ["mixed"] and replica["KillSignal"] == ["SIGTERM"]
+    assert replica["RuntimeDirectoryPreserve"] == ["yes"]
+    assert replica["ExecStopPost"] == [f"{INSTALLED_BINARY} cleanup-shm"]
+    assert replica["User"] == replica["Group"] == ["expeditor"] and "DynamicUser" not in replica
+    assert "PrivateDevices" not in replica and "ProtectClock" not in replica  # the GPUs
+    assert replica["WantedBy"] == [REPLICAS_TARGET]
 
 
 def test_scheduler_unit_removes_its_stale_swap_segment_when_stopped() -> None:

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import openai
 import pytest
+import zmq
 from support.hf_reference import Oracle
 from support.serve import children_in_role, running_http_serve
 
 from ipc.client import Client
+from ipc.kv_events import decode_batch
+from scheduler_svc.launch import free_port, running_serve
 
 MAX_TOKENS = 8
 PROMPTS = [[1, *range(10 + 7 * i, 30 + 7 * i)] for i in range(8)]
@@ -176,3 +179,30 @@ def test_a_killed_scheduler_fails_its_requests_and_the_other_replica_serves(serv
         time.sleep(0.5)
     else:
         raise AssertionError("the killed replica did not come back")
+
+
+def test_one_replica_of_several_on_its_own_addresses(model: Path, tmp_path: Path) -> None:
+    """``serve --replica 1`` (one systemd instance per replica) runs replica 1 of 2 alone:
+    frontend, KV events and HTTP port offset by its index, dp_rank 1 on its events, one
+    worker."""
+    port = free_port()
+    flags = ["--data-parallel-size", "2", "--replica", "1", "--http", f"127.0.0.1:{port}"]
+    flags += ["--frontend", f"ipc://{tmp_path}/fe.sock"]
+    flags += ["--kv-events-endpoint", f"ipc://{tmp_path}/kv.sock"]
+    ctx = zmq.Context()
+    with running_serve(model, *flags, lines=2) as ((frontend, url), _):
+        assert frontend == f"ipc://{tmp_path}/fe.sock.1"
+        assert url == f"http://127.0.0.1:{port + 1}"
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tmp_path}/kv.sock.1")
+        time.sleep(0.5)  # the subscription reaches the publisher
+        assert asyncio.run(_greedy(url, PROMPTS[:1]))
+        assert sub.poll(5000)
+        _, _, payload = sub.recv_multipart()
+        sub.close(linger=0)
+        with Client(frontend, timeout=30) as client:
+            state = client.inspect()
+    ctx.term()
+    assert decode_batch(payload).data_parallel_rank == 1
+    assert [w.rank for w in state.workers] == [0]

@@ -5,6 +5,7 @@ replicas' metrics merged; a replica's cached blocks followed from its published 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import zmq.asyncio
@@ -142,3 +143,35 @@ def test_replica_settings() -> None:
     assert cfg.replica_kv_event_list == ["ipc://x", "ipc://y"]
     with pytest.raises(ConfigError, match=r"^replica_kv_events: 1 endpoints for 2 replica"):
         GatewayConfig(replica_frontends="ipc://a,ipc://b", replica_kv_events="ipc://x")
+
+
+def test_each_replica_gets_its_addresses_and_devices(monkeypatch) -> None:
+    import pytest
+
+    from scheduler_svc.replica_supervisor import one_replica, replica_server
+    from shared.errors import ConfigError
+    from shared.gateway_config import GatewayConfig
+    from shared.server_config import ServerConfig
+
+    server = ServerConfig(
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        device="cuda",
+        frontend="tcp://127.0.0.1:6000",
+        kv_events_endpoint="tcp://127.0.0.1:7000",
+        insecure_tcp=True,
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    replica, env = replica_server(server, 1)
+    assert env == {"CUDA_VISIBLE_DEVICES": "6,7"}  # two ranks each
+    assert (replica.data_parallel_size, replica.data_parallel_rank) == (1, 1)
+    assert replica.frontend == "tcp://127.0.0.1:6001"
+    assert replica.kv_events_endpoint == "tcp://127.0.0.1:7001"
+    assert replica.worker_endpoint == ""  # serve makes a private one
+    cpu = ServerConfig(data_parallel_size=2, device="cpu")
+    replica, env = replica_server(cpu, 0)
+    assert env == {} and replica.cpu_threads == max(1, (os.cpu_count() or 1) // 2)
+    _, gateway, _ = one_replica(cpu, GatewayConfig(port=8000), 1)
+    assert gateway is not None and gateway.port == 8001
+    with pytest.raises(ConfigError, match=r"^replica: 2 is not one of data_parallel_size 2"):
+        one_replica(cpu, None, 2)
