@@ -61,6 +61,7 @@ def gateway(
     Listens on 127.0.0.1:8000 by default; any other address needs an API key.
     """
     from expeditor.cli_services import _logging, _server
+    from expeditor.gateway.discovery import kv_event_sources
     from expeditor.gateway.server import run_gateway
     from ipc.curve import client_curve_options
 
@@ -85,5 +86,6 @@ def gateway(
             curve=curve,
             grace_s=server.shutdown_timeout_s,
             max_prompt_bytes=server.max_prompt_bytes,
+            kv_event_sources=kv_event_sources(server, settings),
         )
     )

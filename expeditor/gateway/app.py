@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from expeditor.gateway.chat import render_messages
 from expeditor.gateway.completions import ChatHandler, CompletionHandler
+from expeditor.gateway.discovery import add_discovery_routes
 from expeditor.gateway.http import (
     ClientGone,
     EventStreamResponse,
@@ -98,10 +99,13 @@ class Gateway:
         api_key: str | None = None,
         curve: dict[str, bytes] | None = None,
         max_prompt_bytes: int = MAX_PROMPT_BYTES,
+        kv_event_sources: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """``max_prompt_bytes``: the scheduler's limit on a text prompt ([server]), which
         the gateway applies to the prompts it renders and tokenizes itself (chat,
-        /tokenize) before spending time on them."""
+        /tokenize) before spending time on them. ``kv_event_sources``: what
+        /kv_event_sources answers (:func:`expeditor.gateway.discovery.kv_event_sources`)."""
+        self.kv_event_sources = kv_event_sources or {}
         self.frontend = frontend
         self.frontends = config.replica_list or [frontend]
         """The schedulers this gateway sends to: one, or data-parallel replicas."""
@@ -125,13 +129,14 @@ class Gateway:
         self.trimmer = Trimmer()
         """Returns the memory of large requests once they are over."""
         self.metrics = MetricsCache(
-            self._metrics_reply,
+            self.metrics_reply,
             config.metrics_interval_s,
             prefixes=PREFIXES[config.metrics_prefix],
         )
         """/metrics snapshots, shared by concurrent scrapes."""
 
-    async def _metrics_reply(self) -> Any:
+    async def metrics_reply(self) -> Any:
+        """The scheduler's metrics (the replicas' merged)."""
         assert self.client is not None
         if self.replicas is None:
             return await self.client.metrics(timeout=CONTROL_TIMEOUT_S)
@@ -378,6 +383,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(request: Request) -> Any:
         return await _guard(_render(request, ChatCompletionRequest, ChatHandler))
+
+    add_discovery_routes(app, gateway, _guard, _json)
 
     @app.get("/version")
     async def version() -> Response:

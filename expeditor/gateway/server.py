@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from typing import Any
 
 import uvicorn
 
@@ -96,6 +97,7 @@ def run_gateway(
     curve: dict[str, bytes] | None = None,
     grace_s: float = 30.0,
     max_prompt_bytes: int = MAX_PROMPT_BYTES,
+    kv_event_sources: dict[str, dict[str, Any]] | None = None,
 ) -> int:
     """Serve until stopped; the exit status (2 at once, the problem logged, when
     ``max_connections`` does not fit under the open-file limit)."""
@@ -108,7 +110,12 @@ def run_gateway(
         log.error("[gateway] %s", exc)
         return 2
     gateway = Gateway(
-        frontend, config, api_key=api_key, curve=curve, max_prompt_bytes=max_prompt_bytes
+        frontend,
+        config,
+        api_key=api_key,
+        curve=curve,
+        max_prompt_bytes=max_prompt_bytes,
+        kv_event_sources=kv_event_sources,
     )
     server = _GatewayServer(
         uvicorn.Config(

@@ -10,15 +10,20 @@ import importlib.metadata
 import json
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from support.serve import running_http_serve
 from transformers import AutoTokenizer
 
 from ipc.client import Client
+from ipc.kv_events import BlockStored, decode_batch
+from scheduler_svc.launch import free_port
 
+KV_EVENTS = f"tcp://127.0.0.1:{free_port()}"
 MESSAGES = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Name a colour."},
@@ -45,6 +50,7 @@ def server(model: Path, tls_files: tuple[Path, Path]):
     cert, key = tls_files
     flags = ("--num-gpu-blocks", "64", "--metrics-prefix", "both")
     flags += ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))
+    flags += ("--kv-events-endpoint", KV_EVENTS, "--kv-events-topic", "kv@test")
     with running_http_serve(model, *flags) as served:
         yield served
 
@@ -93,6 +99,44 @@ def test_liveness_readiness_and_version(call) -> None:
     assert status == 200 and health["workers_ready"] == 1  # type: ignore[index]
     version = importlib.metadata.version("expeditor")
     assert call("GET", "/version") == (200, {"version": version})
+
+
+def test_a_router_finds_the_kv_events_from_the_worker_url(server, call) -> None:
+    """vllm-router's discovery (no static --kv-event-source): /get_server_info names
+    the cache identity, /kv_event_sources the publisher, which then streams the
+    prompt's blocks."""
+    status, info = call("GET", "/get_server_info")
+    assert status == 200
+    with Client(server[0], timeout=30) as client:
+        state = client.inspect()
+    block_size = int(state.config["block_size"])  # type: ignore[call-overload]
+    assert info["kv_block_size"] == block_size  # type: ignore[index]
+    assert info["model_id"] == call("GET", "/v1/models")[1]["data"][0]["id"]  # type: ignore[index]
+    assert isinstance(info["instance_id"], str) and info["instance_id"]  # type: ignore[index]
+    status, sources = call("GET", "/kv_event_sources")
+    assert status == 200 and list(sources) == ["0"]  # type: ignore[arg-type]
+    source = sources["0"]  # type: ignore[index]
+    assert source["endpoint"] == KV_EVENTS and source["topic"] == "kv@test"
+    assert (source["publisher"], source["encoding"], source["schema_version"]) == (
+        "zmq",
+        "msgpack",
+        1,
+    )
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@test")
+    sub.connect(source["endpoint"])
+    time.sleep(0.5)  # the subscription reaches the publisher
+    prompt = list(range(40, 40 + 2 * block_size))  # two full blocks
+    with Client(server[0], timeout=30) as client:
+        client.generate(prompt_token_ids=prompt, max_tokens=1)
+    stored = []
+    while sub.poll(2000):
+        _, _, payload = sub.recv_multipart()
+        stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+    sub.close(linger=0)
+    ctx.term()
+    assert [t for event in stored for t in event.token_ids] == prompt
 
 
 def test_completions_render_gives_the_ids_generation_uses(server, call, model) -> None:
