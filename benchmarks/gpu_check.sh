@@ -14,7 +14,8 @@
 #      host sync per decode step), attention bandwidth against a device copy, swap
 #      bandwidth against a plain memcpy, engine throughput against transformers on the
 #      same GPU, the real model in bfloat16 against transformers (when its package is
-#      there), CUDA graphs on against off; with 2+ GPUs, tensor parallelism.
+#      there), CUDA graphs on against off; with 2+ GPUs, tensor parallelism and two
+#      data-parallel replicas.
 #   4. one summary table, also written to $GPU_CHECK_OUT/summary.md (with each step's
 #      log beside it; default .gpu-check/).
 # Exit status: 0 when every step passed, 1 when one failed, 2 when the machine cannot
@@ -128,8 +129,12 @@ if [ "${ngpu:-0}" -ge 2 ]; then
     # parallel partial sums are rounded before the all-reduce, so the two may part at a
     # near-tie; benchmarks/tp_greedy.py says how that is judged).
     step tp-greedy 120 "$PY" benchmarks/tp_greedy.py
+    # Two data-parallel replicas, one GPU each (CUDA_VISIBLE_DEVICES split), in float32:
+    # greedy outputs equal transformers', requests spread, a killed worker or scheduler
+    # of one replica handled while the other serves; one replica alone (serve --replica).
+    step data-parallel 180 "${GPU[@]}" EXPEDITOR_DTYPE=float32 "${PYTEST[@]}" tests/e2e/test_data_parallel.py
 else
-    rows+=("| tensor-parallel | SKIPPED | 0 | needs 2 GPUs, found ${ngpu:-0} |")
+    rows+=("| tensor-parallel, data-parallel | SKIPPED | 0 | needs 2 GPUs, found ${ngpu:-0} |")
 fi
 
 # -- 4. summary ------------------------------------------------------------------------

@@ -128,6 +128,12 @@ def serve(
             )
         except ConfigError as exc:
             fail(str(exc))
+    if server.kv_events_connect and server.data_parallel_size > 1 and replica is None:
+        fail(
+            "kv_events_connect: the gateway in front of --data-parallel-size replicas "
+            "follows each replica's own PUB socket; to connect every replica to one "
+            "subscriber, run each as serve --replica INDEX (one systemd instance each)"
+        )
     if replica is not None and not 0 <= replica < server.data_parallel_size:
         fail(
             f"--replica {replica}: not one of data_parallel_size {server.data_parallel_size} "

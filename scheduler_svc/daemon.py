@@ -132,6 +132,7 @@ class SchedulerDaemon:
                 replay_endpoint=server.kv_events_replay_endpoint,
                 buffer_steps=server.kv_events_buffer_steps,
                 data_parallel_rank=server.data_parallel_rank,
+                connect=server.kv_events_connect,
             )
             if server.kv_events_endpoint
             else None

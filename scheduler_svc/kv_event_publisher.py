@@ -38,11 +38,20 @@ class KVEventPublisher:
         replay_endpoint: str = "",
         buffer_steps: int = 10_000,
         data_parallel_rank: int | None = None,
+        connect: bool = False,
     ) -> None:
+        """``connect``: the PUB socket connects to ``endpoint`` (a subscriber that binds,
+        as llm-d's indexer does) instead of binding it."""
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self.pub = _bound(ctx, zmq.PUB, endpoint, "kv_events_endpoint")
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if connect:
+            self.pub = ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.connect(endpoint)  # ZeroMQ reconnects by itself while it is away
+            self.endpoint = f"{endpoint} (connected)"
+        else:
+            self.pub = _bound(ctx, zmq.PUB, endpoint, "kv_events_endpoint")
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay: zmq.asyncio.Socket | None = None
         self.replay_endpoint = ""
         if replay_endpoint:

@@ -99,7 +99,10 @@ def replica_server(
         data_parallel_rank=index,
         frontend=endpoint(server.frontend, "frontend.sock"),
         worker_endpoint=endpoint(server.worker_endpoint, "workers.sock"),
-        kv_events_endpoint=endpoint(server.kv_events_endpoint, "kv-events.sock"),
+        # connected to one subscriber, every replica's PUB socket goes to the same one
+        kv_events_endpoint=server.kv_events_endpoint
+        if server.kv_events_connect
+        else endpoint(server.kv_events_endpoint, "kv-events.sock"),
         kv_events_replay_endpoint=nth_endpoint(server.kv_events_replay_endpoint, index)
         if server.kv_events_replay_endpoint
         else "",

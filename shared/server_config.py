@@ -274,6 +274,13 @@ class ServerConfig(ModelConfig, frozen=True):
             "bind it where only the routers reach it.",
         ),
     ] = ""
+    kv_events_connect: Annotated[
+        bool,
+        Meta(
+            description="Connect the KV events' PUB socket to kv_events_endpoint (a "
+            "subscriber that binds it, as llm-d's endpoint picker) instead of binding it.",
+        ),
+    ] = False
     kv_events_replay_endpoint: Annotated[
         str,
         Meta(

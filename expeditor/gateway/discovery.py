@@ -38,7 +38,7 @@ def kv_event_sources(server: ServerConfig, gateway: GatewayConfig) -> dict[str, 
     first_rank = 0 if gateway.replica_kv_event_list else server.data_parallel_rank
     sources = {}
     for offset, endpoint in enumerate(endpoints):
-        if endpoint.startswith("tcp://"):
+        if endpoint.startswith("tcp://") and not server.kv_events_connect:
             sources[str(first_rank + offset)] = {
                 "endpoint": endpoint,
                 "topic": server.kv_events_topic,

@@ -92,13 +92,18 @@ class _ReplyCollector(Collector):
             counter.add_metric(model, float(getattr(reply, name)))
             yield counter
         preemptions = CounterMetricFamily(
-            prefix + "num_preemptions",
+            prefix + "num_preemptions", "Sequences preempted.", labels=["model_name"]
+        )
+        preemptions.add_metric(model, float(sum(reply.num_preemptions.values())))
+        yield preemptions
+        by_mode = CounterMetricFamily(
+            prefix + "num_preemptions_by_mode",
             "Sequences preempted, by mode (swap or recompute).",
             labels=["model_name", "mode"],
         )
-        for mode, count in sorted(reply.num_preemptions.items()):
-            preemptions.add_metric([*model, mode], float(count))
-        yield preemptions
+        for mode in sorted({"swap", "recompute", *reply.num_preemptions}):
+            by_mode.add_metric([*model, mode], float(reply.num_preemptions.get(mode, 0)))
+        yield by_mode
         per_position = CounterMetricFamily(
             prefix + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: proposed tokens accepted, by position in the proposal.",

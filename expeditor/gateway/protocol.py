@@ -135,6 +135,15 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_speculative_tokens: Int | None = None
     """Tokens prompt lookup may propose per step for this request (at most the
     server's ``num_speculative_tokens``; 0 = none; unset = the server's)."""
+    skip_special_tokens: bool = True
+    """vLLM's: the text leaves special tokens out; it always does here (false is
+    refused)."""
+    # SGLang's, which routers (vllm-router, smg) add to every body they forward
+    no_stop_trim: bool = False
+    """SGLang's: true keeps the matched stop string in the text, as
+    ``include_stop_str_in_output``."""
+    return_hidden_states: bool = False
+    """SGLang's: true is refused (hidden states are not returned)."""
     # structured output, in every form (one per request): vLLM's, its older guided_*
     # fields, llama.cpp's; response_format is the endpoints' own
     structured_outputs: dict[str, Any] | None = None
@@ -157,6 +166,18 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if getattr(self, name, None) is not None:
                 message = f"{name}: not supported by this server ({why})"
                 raise GatewayRequestError(message, param=name)
+        if not self.skip_special_tokens:
+            raise GatewayRequestError(
+                "skip_special_tokens: false is not supported (the text always leaves "
+                "special tokens out; return_tokens_as_token_ids gives every token)",
+                param="skip_special_tokens",
+            )
+        if self.return_hidden_states:
+            raise GatewayRequestError(
+                "return_hidden_states: not supported by this server (hidden states are "
+                "not returned)",
+                param="return_hidden_states",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise GatewayRequestError(
                 f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}",
@@ -199,7 +220,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "seed": self.seed,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim,
             "prompt_logprobs": self.prompt_logprobs,
             "num_speculative_tokens": self.num_speculative_tokens,
         }

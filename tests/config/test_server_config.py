@@ -188,6 +188,7 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("insecure_tcp", 1),
     ("max_reply_backlog_bytes", 0),
     ("kv_events_endpoint", "http://127.0.0.1:5557"),
+    ("kv_events_connect", "yes"),
     ("kv_events_replay_endpoint", "tcp://127.0.0.1:5558"),  # with no kv_events_endpoint
     ("kv_events_topic", 3),
     ("kv_events_buffer_steps", 0),
@@ -284,6 +285,7 @@ def test_to_toml_comments_every_value_and_round_trips(tmp_path: Path) -> None:
         insecure_tcp=True,
         max_reply_backlog_bytes=1 << 20,
         kv_events_endpoint="tcp://127.0.0.1:5557",
+        kv_events_connect=True,
         kv_events_replay_endpoint="ipc:///run/kv-replay",
         kv_events_topic="kv@10.0.0.1:8000@m",
         kv_events_buffer_steps=5,

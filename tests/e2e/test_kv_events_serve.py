@@ -95,3 +95,33 @@ def test_served_kv_events_describe_the_cached_prompts(model: Path) -> None:
     assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"} <= set(
         raw[1][0]
     )
+
+
+def test_kv_events_connect_to_a_subscriber_that_binds(model: Path) -> None:
+    """kv_events_connect: the scheduler's PUB socket connects to a central subscriber
+    (llm-d's endpoint picker binds its SUB socket and every pod connects to it)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    flags = ("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-connect")
+    flags += ("--block-size", str(BS), "--num-gpu-blocks", "64")
+    with running_server(model, *flags) as (address, _):
+        # A bound SUB socket sends its subscription to a PUB that connected only when
+        # it handles its commands (a poll or a receive): a subscriber polls all along.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            sub.poll(100)
+
+        async def request() -> None:
+            async with AsyncClient(address, timeout=60) as client:
+                await client.generate(prompt_token_ids=[*SYSTEM, 1, 2], max_tokens=2)
+
+        asyncio.run(request())
+        stored = []
+        while sub.poll(2000):
+            _, _, payload = sub.recv_multipart()
+            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+    sub.close(linger=0)
+    ctx.term()
+    assert [h for e in stored for h in e.block_hashes] == _expected_hashes(SYSTEM)

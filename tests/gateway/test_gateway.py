@@ -586,8 +586,9 @@ def test_metrics_move_with_traffic_from_http_and_zmq(server, sync_client, model_
     names = {f.name for f in text_string_to_metric_families(_get(url, "/metrics")[1].decode())}
     for name in (
         "num_requests_running", "num_requests_waiting", "num_requests_swapped",
-        "kv_cache_usage_perc", "cpu_swap_usage_perc", "num_preemptions", "prompt_tokens",
-        "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "request_success",
+        "kv_cache_usage_perc", "cpu_swap_usage_perc", "num_preemptions",
+        "num_preemptions_by_mode", "prompt_tokens", "generation_tokens",
+        "prefix_cache_queries", "prefix_cache_hits", "request_success",
         "prefix_cache_host_hits", "prefix_cache_host_demoted_blocks",
         "time_to_first_token_seconds", "inter_token_latency_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "iteration_tokens_total",

@@ -137,6 +137,8 @@ SHARED_FIELDS = [
     ("prompt_logprobs", 1, "honoured"), ("reasoning_effort", "low", "refused"),
     ("best_of", 3, "refused"), ("top_a", 0.1, "refused"), ("mirostat", 2, "refused"),
     ("length_penalty", 1.1, "refused"), ("use_beam_search", True, "refused"),
+    ("skip_special_tokens", False, "refused"), ("no_stop_trim", True, "honoured"),
+    ("return_hidden_states", True, "refused"),
 ]  # fmt: skip
 COMPLETION_FIELDS = [
     ("logprobs", 2, "honoured"), ("echo", True, "honoured"), ("suffix", "y", "refused"),
@@ -333,7 +335,11 @@ def test_rendered_metrics_parse_with_cumulative_buckets() -> None:
     assert samples[("expeditor:num_requests_waiting", model)] == 3
     assert samples[("expeditor:kv_cache_usage_perc", model)] == 0.25
     assert samples[("expeditor:prefix_cache_hits_total", model)] == 32
-    assert samples[("expeditor:num_preemptions_total", (("mode", "swap"), *model))] == 4
+    # vLLM's series has no label beyond the model; the modes have their own counter
+    assert samples[("expeditor:num_preemptions_total", model)] == 5
+    by_mode = "expeditor:num_preemptions_by_mode_total"
+    assert samples[(by_mode, (("mode", "recompute"), *model))] == 1
+    assert samples[(by_mode, (("mode", "swap"), *model))] == 4
     assert samples[("expeditor:spec_decode_num_draft_tokens_total", model)] == 24
     assert samples[("expeditor:spec_decode_num_accepted_tokens_total", model)] == 9
     per_pos = "expeditor:spec_decode_num_accepted_tokens_per_pos_total"
@@ -564,3 +570,17 @@ def test_an_unloadable_certificate_is_refused_by_name(tmp_path: Path) -> None:
     cert.write_text("not a certificate\n")
     with pytest.raises(ConfigError, match=r"^ssl_certfile/ssl_keyfile: cannot load .*cert\.pem"):
         _check_tls(str(cert), str(tmp_path / "key.pem"))
+
+
+def test_the_body_routers_forward_is_accepted() -> None:
+    """vllm-router re-serializes a completion with SGLang's fields at their defaults
+    (smg adds echo and stream): accepted, and meaning what they say."""
+    raw = (
+        b'{"model": "m", "prompt": "x", "max_tokens": 2, "stream": false, "echo": false,'
+        b' "no_stop_trim": false, "ignore_eos": false, "skip_special_tokens": true,'
+        b' "return_hidden_states": false}'
+    )
+    params = decode_body(raw, CompletionRequest).check(lambda text: [ord(c) for c in text])
+    assert params.include_stop_str_in_output is False and params.max_tokens == 2
+    kept = raw.replace(b'"no_stop_trim": false', b'"no_stop_trim": true')
+    assert decode_body(kept, CompletionRequest).check().include_stop_str_in_output is True

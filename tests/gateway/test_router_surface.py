@@ -152,12 +152,12 @@ def test_completions_render_gives_the_ids_generation_uses(server, call, model) -
     assert rendered[1]["token_ids"] == [5, 6, 7]
     assert rendered[0]["sampling_params"]["max_tokens"] == 3
     assert rendered[0]["request_id"].startswith("cmpl-") and rendered[0]["model"] == name
-    # Fields a router adds (SGLang's) are listed as ignored, not refused: only the ids
-    # and the checked sampling parameters matter here.
-    body |= {"no_stop_trim": False, "return_hidden_states": False}
+    # Fields a router adds that this server does not know are listed as ignored, not
+    # refused: only the ids and the checked sampling parameters matter here.
+    body |= {"no_stop_trim": False, "router_hint": "x", "routing_key": 1}
     status, again = call("POST", "/v1/completions/render", body)
     assert status == 200 and again[0]["token_ids"] == scheduled
-    assert again[0]["ignored_fields"] == ["no_stop_trim", "return_hidden_states"]
+    assert again[0]["ignored_fields"] == ["router_hint", "routing_key"]
     assert "ignored_fields" not in rendered[0]
     status, error = call("POST", "/v1/completions/render", {"model": name, "prompt": "x", "n": 0})
     assert status == 400 and error["error"]["param"] == "n"  # type: ignore[index]
