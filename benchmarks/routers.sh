@@ -10,9 +10,12 @@
 #   benchmarks/routers.sh            # figures: docs/benchmarks.md "Routers"
 #
 # Settings (environment): SIZE (the generated checkpoint: tiny, or small whose forward
-# costs something), REPLICAS (4), ROUNDS (3), BLOCKS (KV blocks per replica, 128),
-# TENANTS (24), PREFIX_CHARS (256: about 16 blocks of 16 tokens each, so the tenants'
-# prefixes are 3x one replica's cache), REQUESTS (192), CONCURRENCY (8), MAX_TOKENS (16).
+# costs something), REPLICAS (4), ROUNDS (3), BLOCKS (KV blocks per replica, 512),
+# TENANTS (24), PREFIX_CHARS (1024: about 64 blocks of 16 tokens each, so the tenants'
+# prefixes are 3x one replica's cache), REQUESTS (192), CONCURRENCY (8), MAX_TOKENS (16),
+# STREAM (1: streamed completions, as chat clients send them; 0: whole answers, which
+# vllm-router's kv_aware counts as prefill until they end), SETUPS (the ROUTER/POLICY
+# pairs run each round, in order), KILL (1: end with the replica-kill phase).
 # The routers come from the registry into their own venv (.venv-routers), apart from
 # the project's. Logs and JSON results: out/routers/.
 set -euo pipefail
@@ -21,12 +24,15 @@ cd "$(dirname "$0")/.."
 SIZE=${SIZE:-tiny}
 REPLICAS=${REPLICAS:-4}
 ROUNDS=${ROUNDS:-3}
-BLOCKS=${BLOCKS:-128}
+BLOCKS=${BLOCKS:-512}
 TENANTS=${TENANTS:-24}
-PREFIX_CHARS=${PREFIX_CHARS:-256}
+PREFIX_CHARS=${PREFIX_CHARS:-1024}
 REQUESTS=${REQUESTS:-192}
 CONCURRENCY=${CONCURRENCY:-8}
 MAX_TOKENS=${MAX_TOKENS:-16}
+STREAM=${STREAM:-1}
+SETUPS=${SETUPS:-vllm-router/round_robin vllm-router/kv_aware vllm-router/cache_aware smg/round_robin smg/cache_aware}
+KILL=${KILL:-1}
 HTTP0=${HTTP0:-18100}
 EVENTS0=${EVENTS0:-18200}
 ROUTER_PORT=${ROUTER_PORT:-18300}
@@ -138,14 +144,14 @@ load() {  # LABEL SEED [extra flags]
   .venv/bin/python benchmarks/routers_load.py --url "$ROUTER" --replicas "$REPLICA_LIST" \
     --model "$NAME" --label "$label" --seed "$seed" --tenants "$TENANTS" \
     --prefix-chars "$PREFIX_CHARS" --requests "$REQUESTS" --concurrency "$CONCURRENCY" \
-    --max-tokens "$MAX_TOKENS" "$@" | tee -a "$OUT/results.jsonl"
+    --max-tokens "$MAX_TOKENS" "$([ "$STREAM" = 1 ] && echo --stream || echo --no-stream)" \
+    "$@" | tee -a "$OUT/results.jsonl"
 }
 
 seed=0
 for round in $(seq "$ROUNDS"); do
-  for setup in "vllm-router round_robin" "vllm-router kv_aware" "vllm-router cache_aware" \
-      "smg round_robin" "smg cache_aware"; do
-    read -r router policy <<< "$setup"
+  for setup in $SETUPS; do
+    IFS=/ read -r router policy <<< "$setup"
     seed=$((seed + 1))
     start_router "$router" "$policy"
     load "$router/$policy" "$seed"
@@ -155,11 +161,13 @@ done
 
 # A replica killed under load behind vllm-router (kv_aware): its process group (serve,
 # scheduler, worker, gateway) SIGKILLed after a quarter of the requests.
-start_router vllm-router kv_aware
-seed=$((seed + 1))
-load "kill/vllm-router/kv_aware" "$seed" --kill-pgid "${PIDS[$((REPLICAS - 1))]}" \
-  --kill-after $((REQUESTS / 4)) --hang-s 60
-stop_router
+if [ "$KILL" = 1 ]; then
+  start_router vllm-router kv_aware
+  seed=$((seed + 1))
+  load "kill/vllm-router/kv_aware" "$seed" --kill-pgid "${PIDS[$((REPLICAS - 1))]}" \
+    --kill-after $((REQUESTS / 4)) --hang-s 60
+  stop_router
+fi
 
 .venv/bin/python - "$OUT/results.jsonl" <<'EOF'
 import json, statistics, sys
@@ -168,13 +176,19 @@ runs = {}
 for row in rows:
     runs.setdefault(row["label"], []).append(row)
 print(f"\n{'router/policy':28} {'runs':>4} {'hit rate':>9} {'out tok/s':>10} "
-      f"{'median lat s':>12} {'failed':>6}")
+      f"{'median lat s':>12} {'TTFT med/p90 s':>15} {'failed':>6}")
 for label, group in runs.items():
     hit = statistics.median(r["hit_rate"] for r in group)
     tps = statistics.median(r["output_tok_s"] for r in group)
     lat = statistics.median(r["latency_median_s"] for r in group)
     failed = sum(r["requests"] - r["ok"] for r in group)
-    print(f"{label:28} {len(group):>4} {hit:>9.3f} {tps:>10.1f} {lat:>12.3f} {failed:>6}")
+    if all(r.get("ttft_median_s") is not None for r in group):
+        ttft = (f"{statistics.median(r['ttft_median_s'] for r in group):.3f}/"
+                f"{statistics.median(r['ttft_p90_s'] for r in group):.3f}")
+    else:
+        ttft = "-"
+    print(f"{label:28} {len(group):>4} {hit:>9.3f} {tps:>10.1f} {lat:>12.3f} {ttft:>15} "
+          f"{failed:>6}")
     if label.startswith("kill/"):
         for r in group:
             print(f"  kill: {r['ok']}/{r['requests']} ok, {r['after_kill_ok']} ok after the kill, "

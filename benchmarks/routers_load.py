@@ -6,7 +6,8 @@ text: vllm-router tokenizes it through the workers' /v1/completions/render, smg 
 a radix tree of the characters). Before and after, each replica's /metrics gives the
 prefix cache's looked-up and hit prompt tokens and the tokens it generated; the result
 (one JSON line) is the hit rate over all replicas, output tokens/s seen by the client,
-latencies, each replica's share, and every failed request with its status and reason.
+latencies (time to the first text too, when streamed: the default), each replica's
+share, and every failed request with its status and reason.
 
 With ``--kill-pgid PGID --kill-after K`` the process group PGID (one replica) is
 SIGKILLed once K requests have finished: the report then says how many of the rest
@@ -68,6 +69,30 @@ async def _metrics(session: aiohttp.ClientSession, urls: list[str]) -> list[dict
     return out
 
 
+async def _read_stream(reply: aiohttp.ClientResponse, start: float) -> dict[str, object]:
+    """Read one streamed completion: its tokens (the final usage chunk) and the time to
+    its first text; a stream that ends without usage or ``[DONE]`` is a failure."""
+    tokens = None
+    ttft = None
+    finished = False
+    async for raw in reply.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            finished = True
+            break
+        chunk = json.loads(data)
+        if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+            ttft = time.monotonic() - start
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    if not finished or tokens is None:
+        return {"status": "truncated", "reason": "the stream ended without usage and [DONE]"}
+    return {"tokens": tokens, "ttft_s": ttft}
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(args.seed)
     systems = [
@@ -96,6 +121,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     "temperature": 0,
                     "ignore_eos": True,
                 }
+                if args.stream:
+                    body.update(stream=True, stream_options={"include_usage": True})
                 entry: dict[str, object] = {}
                 try:
                     async with session.post(
@@ -103,12 +130,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                         json=body,
                         timeout=aiohttp.ClientTimeout(total=args.hang_s),
                     ) as reply:
-                        payload = await reply.read()
                         entry["status"] = reply.status
-                        if reply.status == 200:
-                            entry["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
-                        else:
+                        if reply.status != 200:
+                            payload = await reply.read()
                             entry["reason"] = payload.decode(errors="replace")[:200]
+                        elif args.stream:
+                            entry.update(await _read_stream(reply, start))
+                        else:
+                            payload = await reply.read()
+                            entry["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
                 except TimeoutError:
                     entry.update(status="hung", reason=f"no answer within {args.hang_s} s")
                 except aiohttp.ClientError as exc:
@@ -131,6 +161,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     hits = sum(a["hits"] - b["hits"] for b, a in live)
     tokens = sum(int(r["tokens"]) for r in ok)  # type: ignore[call-overload]
     latencies = sorted(float(r["latency_s"]) for r in results)  # type: ignore[arg-type]
+    ttfts = sorted(float(r["ttft_s"]) for r in ok if r.get("ttft_s") is not None)  # type: ignore[arg-type]
     report: dict[str, object] = {
         "label": args.label,
         "requests": len(results),
@@ -140,6 +171,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "hit_rate": round(hits / queries, 3) if queries else None,
         "latency_median_s": round(statistics.median(latencies), 3),
         "latency_max_s": round(latencies[-1], 3),
+        "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 3) if ttfts else None,
         "share": [
             round(a["generated"] - b["generated"]) if a else None
             for b, a in zip(before, after, strict=True)
@@ -159,12 +192,19 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--label", default="")
     parser.add_argument("--tenants", type=int, default=24)
-    parser.add_argument("--prefix-chars", type=int, default=256)
+    parser.add_argument("--prefix-chars", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hang-s", type=float, default=60.0)
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream the completions (as chat clients do; a router then sees the first "
+        "token, which is when vllm-router's kv_aware stops counting a request's prefill)",
+    )
     parser.add_argument("--kill-pgid", type=int, default=0)
     parser.add_argument("--kill-after", type=int, default=0)
     print(json.dumps(asyncio.run(run(parser.parse_args()))), flush=True)

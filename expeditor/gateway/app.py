@@ -11,6 +11,7 @@ aborts its requests at once (their KV blocks are freed).
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import logging
 import uuid
@@ -251,6 +252,13 @@ def _error_response(exc: Exception) -> Response:
     )
 
 
+@functools.cache
+def _encode_names(kind: type[Any]) -> frozenset[str]:
+    """The JSON names of ``kind``'s fields, once per type (``msgspec.structs.fields``
+    evaluates every annotation: most of a render request's time when done per request)."""
+    return frozenset(field.encode_name for field in msgspec.structs.fields(kind))
+
+
 def _known_fields(raw: bytes, kind: type[Any], ignored: list[str]) -> bytes:
     """``raw`` without the top-level fields ``kind`` does not declare (their names added
     to ``ignored``); a body that is not a JSON object is left to the decoder's error."""
@@ -260,7 +268,7 @@ def _known_fields(raw: bytes, kind: type[Any], ignored: list[str]) -> bytes:
         return raw
     if not isinstance(data, dict):
         return raw
-    known = {field.encode_name for field in msgspec.structs.fields(kind)}
+    known = _encode_names(kind)
     ignored += sorted(name for name in data if name not in known)
     if not ignored:
         return raw
