@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import zmq
+from support.kv_event_sub import drain_stored
 
 from ipc.client import AsyncClient
 from ipc.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
@@ -118,10 +119,7 @@ def test_kv_events_connect_to_a_subscriber_that_binds(model: Path) -> None:
                 await client.generate(prompt_token_ids=[*SYSTEM, 1, 2], max_tokens=2)
 
         asyncio.run(request())
-        stored = []
-        while sub.poll(2000):
-            _, _, payload = sub.recv_multipart()
-            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+        stored = drain_stored(sub)
     sub.close(linger=0)
     ctx.term()
     assert [h for e in stored for h in e.block_hashes] == _expected_hashes(SYSTEM)

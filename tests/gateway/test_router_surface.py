@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
+from support.kv_event_sub import drain_stored
 from support.serve import running_http_serve
 from transformers import AutoTokenizer
 
 from ipc.client import Client
-from ipc.kv_events import BlockStored, decode_batch
 from scheduler_svc.launch import free_port
 
 KV_EVENTS = f"tcp://127.0.0.1:{free_port()}"
@@ -130,10 +130,7 @@ def test_a_router_finds_the_kv_events_from_the_worker_url(server, call) -> None:
     prompt = list(range(40, 40 + 2 * block_size))  # two full blocks
     with Client(server[0], timeout=30) as client:
         client.generate(prompt_token_ids=prompt, max_tokens=1)
-    stored = []
-    while sub.poll(2000):
-        _, _, payload = sub.recv_multipart()
-        stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+    stored = drain_stored(sub)
     sub.close(linger=0)
     ctx.term()
     assert [t for event in stored for t in event.token_ids] == prompt
