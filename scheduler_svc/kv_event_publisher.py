@@ -7,7 +7,9 @@ recorded (:class:`~scheduler_svc.core.kv_events.KVEventLog`); a step that change
 nothing publishes nothing. Sends never block the step loop: a subscriber too slow for
 the PUB socket's high-water mark loses batches, sees the gap in the sequence numbers
 and asks the replay socket for them (the last ``kv_events_buffer_steps`` batches are
-kept).
+kept). A replay reply is framed as the PUB socket's messages, ``[topic, seq, payload]``
+after the DEALER's empty delimiter, and ends with ``[b"", -1, b""]``, as vLLM's
+publisher frames it (and vllm-router reads it).
 """
 
 from __future__ import annotations
@@ -102,9 +104,9 @@ class KVEventPublisher:
             for seq, payload in list(self.buffer):
                 if seq >= first:
                     await self.replay.send_multipart(
-                        (identity, b"", seq.to_bytes(8, "big"), payload)
+                        (identity, b"", self.topic, seq.to_bytes(8, "big"), payload)
                     )
-            await self.replay.send_multipart((identity, b"", END_SEQ, b""))
+            await self.replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         self.pub.close(linger=0)

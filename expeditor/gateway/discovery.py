@@ -6,9 +6,10 @@ vllm-router's ``kv_aware`` policy reads both for a worker given only by URL (no 
 ``--kv-event-source``): with them it subscribes to the scheduler's events by itself.
 Only tcp:// publishers are listed (a router on another host cannot reach ipc://); a
 bind address (``tcp://*:5557``, ``0.0.0.0``) is rewritten by the router to the worker's
-host. The replay socket is not listed: vllm-router 0.1.17 expects replay frames with
-a topic frame (``[b"", topic, seq, payload]``), while expeditor's replay socket sends
-vLLM's (``[b"", seq, payload]``), so a router given it would drop its index on a gap.
+host. A lone server's tcp:// replay socket (``kv_events_replay_endpoint``) is listed
+too: a router asks it for what it missed, including, when it attaches to a server that
+already published, everything from the first batch kept. Replicas behind this gateway
+are listed without theirs (the gateway is not told them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def kv_event_sources(server: ServerConfig, gateway: GatewayConfig) -> dict[str, 
     behind this gateway, each replica is one rank; else the scheduler's own)."""
     endpoints = gateway.replica_kv_event_list or [server.kv_events_endpoint]
     first_rank = 0 if gateway.replica_kv_event_list else server.data_parallel_rank
+    replay = server.kv_events_replay_endpoint
+    if gateway.replica_kv_event_list or not replay.startswith("tcp://"):
+        replay = ""
     sources = {}
     for offset, endpoint in enumerate(endpoints):
         if endpoint.startswith("tcp://") and not server.kv_events_connect:
@@ -48,6 +52,8 @@ def kv_event_sources(server: ServerConfig, gateway: GatewayConfig) -> dict[str, 
                 "schema_version": SCHEMA_VERSION,
                 "enable_kv_cache_events": True,
             }
+            if replay:
+                sources[str(first_rank + offset)]["replay_endpoint"] = replay
     return sources
 
 

@@ -23,17 +23,20 @@ SYSTEM = list(range(200, 200 + 3 * BS))
 """A shared prefix of three full blocks."""
 
 
-def _replay(ctx: zmq.Context, address: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(ctx: zmq.Context, address: str, start: int, topic: bytes) -> list[tuple[int, bytes]]:
+    """Every batch the replay socket at ``address`` keeps from ``start`` on, each framed
+    as the PUB socket's (``topic`` included), then the end marker."""
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
     sock.send_multipart([b"", start.to_bytes(8, "big")])
     batches = []
     while True:
         assert sock.poll(10_000), "the replay socket did not answer"
-        _, seq, payload = sock.recv_multipart()
+        _, frame_topic, seq, payload = sock.recv_multipart()
         if seq == END_SEQ:
-            assert payload == b""
+            assert (frame_topic, payload) == (b"", b"")
             break
+        assert frame_topic == topic
         batches.append((int.from_bytes(seq, "big"), payload))
     sock.close(linger=0)
     return batches
@@ -70,7 +73,8 @@ def test_served_kv_events_describe_the_cached_prompts(model: Path) -> None:
             frame_topic, seq, payload = sub.recv_multipart()
             assert frame_topic == topic.encode()
             live.append((int.from_bytes(seq, "big"), payload))
-        everything = _replay(ctx, replay, 0)  # from the first batch, sent before we came
+        # From the first batch, sent before we came.
+        everything = _replay(ctx, replay, 0, topic.encode())
         sub.close(linger=0)
     ctx.term()
 

@@ -24,6 +24,7 @@ from ipc.client import Client
 from scheduler_svc.launch import free_port
 
 KV_EVENTS = f"tcp://127.0.0.1:{free_port()}"
+KV_REPLAY = f"tcp://127.0.0.1:{free_port()}"
 MESSAGES = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Name a colour."},
@@ -51,6 +52,7 @@ def server(model: Path, tls_files: tuple[Path, Path]):
     flags = ("--num-gpu-blocks", "64", "--metrics-prefix", "both")
     flags += ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))
     flags += ("--kv-events-endpoint", KV_EVENTS, "--kv-events-topic", "kv@test")
+    flags += ("--kv-events-replay-endpoint", KV_REPLAY)
     with running_http_serve(model, *flags) as served:
         yield served
 
@@ -117,6 +119,7 @@ def test_a_router_finds_the_kv_events_from_the_worker_url(server, call) -> None:
     assert status == 200 and list(sources) == ["0"]  # type: ignore[arg-type]
     source = sources["0"]  # type: ignore[index]
     assert source["endpoint"] == KV_EVENTS and source["topic"] == "kv@test"
+    assert source["replay_endpoint"] == KV_REPLAY
     assert (source["publisher"], source["encoding"], source["schema_version"]) == (
         "zmq",
         "msgpack",
