@@ -6,10 +6,9 @@ vllm-router's ``kv_aware`` policy reads both for a worker given only by URL (no 
 ``--kv-event-source``): with them it subscribes to the scheduler's events by itself.
 Only tcp:// publishers are listed (a router on another host cannot reach ipc://); a
 bind address (``tcp://*:5557``, ``0.0.0.0``) is rewritten by the router to the worker's
-host. A lone server's tcp:// replay socket (``kv_events_replay_endpoint``) is listed
-too: a router asks it for what it missed, including, when it attaches to a server that
-already published, everything from the first batch kept. Replicas behind this gateway
-are listed without theirs (the gateway is not told them).
+host. A tcp:// replay socket (``kv_events_replay_endpoint``; each replica's behind
+this gateway) is listed too: a router asks it for what it missed, including, when it
+attaches to a server that already published, everything from the first batch kept.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request, Response
 
 from expeditor.gateway.http import check_api_key
+from scheduler_svc.replica_supervisor import nth_endpoint
 from shared.gateway_config import GatewayConfig
 from shared.server_config import ServerConfig
 
@@ -35,25 +35,28 @@ SCHEMA_VERSION = 1
 def kv_event_sources(server: ServerConfig, gateway: GatewayConfig) -> dict[str, dict[str, Any]]:
     """The /kv_event_sources body: data-parallel rank -> its publisher (with replicas
     behind this gateway, each replica is one rank; else the scheduler's own)."""
-    endpoints = gateway.replica_kv_event_list or [server.kv_events_endpoint]
-    first_rank = 0 if gateway.replica_kv_event_list else server.data_parallel_rank
-    replay = server.kv_events_replay_endpoint
-    if gateway.replica_kv_event_list or not replay.startswith("tcp://"):
-        replay = ""
+    replicas = gateway.replica_kv_event_list
+    endpoints = replicas or [server.kv_events_endpoint]
+    first_rank = 0 if replicas else server.data_parallel_rank
     sources = {}
     for offset, endpoint in enumerate(endpoints):
-        if endpoint.startswith("tcp://") and not server.kv_events_connect:
-            sources[str(first_rank + offset)] = {
-                "endpoint": endpoint,
-                "topic": server.kv_events_topic,
-                "buffer_steps": server.kv_events_buffer_steps,
-                "publisher": "zmq",
-                "encoding": "msgpack",
-                "schema_version": SCHEMA_VERSION,
-                "enable_kv_cache_events": True,
-            }
-            if replay:
-                sources[str(first_rank + offset)]["replay_endpoint"] = replay
+        if not endpoint.startswith("tcp://") or server.kv_events_connect:
+            continue
+        source: dict[str, Any] = {
+            "endpoint": endpoint,
+            "topic": server.kv_events_topic,
+            "buffer_steps": server.kv_events_buffer_steps,
+            "publisher": "zmq",
+            "encoding": "msgpack",
+            "schema_version": SCHEMA_VERSION,
+            "enable_kv_cache_events": True,
+        }
+        replay = server.kv_events_replay_endpoint
+        if replay and replicas:  # each replica's, as the supervisor derived it
+            replay = nth_endpoint(replay, offset)
+        if replay.startswith("tcp://"):
+            source["replay_endpoint"] = replay
+        sources[str(first_rank + offset)] = source
     return sources
 
 

@@ -175,3 +175,40 @@ def test_each_replica_gets_its_addresses_and_devices(monkeypatch) -> None:
     assert gateway is not None and gateway.port == 8001
     with pytest.raises(ConfigError, match=r"^replica: 2 is not one of data_parallel_size 2"):
         one_replica(cpu, None, 2)
+
+
+def test_kv_event_sources_list_what_each_replica_binds() -> None:
+    """/kv_event_sources with replicas behind the gateway names, per rank, the PUB and
+    replay sockets that replica's own configuration binds; a lone server its own; an
+    ipc:// replay socket (no router on another host reaches it) none."""
+    from expeditor.gateway.discovery import kv_event_sources
+    from scheduler_svc.replica_supervisor import replica_server
+    from shared.gateway_config import GatewayConfig
+    from shared.server_config import ServerConfig
+
+    server = ServerConfig(
+        data_parallel_size=2,
+        kv_events_endpoint="tcp://127.0.0.1:7000",
+        kv_events_replay_endpoint="tcp://127.0.0.1:7100",
+        device="cpu",
+    )
+    replicas = [replica_server(server, i)[0] for i in range(2)]
+    gateway = GatewayConfig(
+        replica_frontends="ipc://a,ipc://b",
+        replica_kv_events=",".join(r.kv_events_endpoint for r in replicas),
+    )
+    sources = kv_event_sources(server, gateway)
+    assert {rank: (s["endpoint"], s["replay_endpoint"]) for rank, s in sources.items()} == {
+        str(r.data_parallel_rank): (r.kv_events_endpoint, r.kv_events_replay_endpoint)
+        for r in replicas
+    }
+    assert sources["1"]["replay_endpoint"] == "tcp://127.0.0.1:7101"
+    lone = ServerConfig(
+        kv_events_endpoint="tcp://127.0.0.1:7000",
+        kv_events_replay_endpoint="tcp://127.0.0.1:7100",
+    )
+    assert kv_event_sources(lone, GatewayConfig())["0"]["replay_endpoint"] == "tcp://127.0.0.1:7100"
+    local = ServerConfig(
+        kv_events_endpoint="tcp://127.0.0.1:7000", kv_events_replay_endpoint="ipc:///run/r"
+    )
+    assert "replay_endpoint" not in kv_event_sources(local, GatewayConfig())["0"]
