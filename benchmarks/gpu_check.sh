@@ -10,7 +10,7 @@
 #      (TRITON_CACHE_DIR, default ~/.cache/expeditor/triton) so a rerun compiles
 #      nothing: kernel tests against the torch references, the exactness tests in
 #      float32 (oracle, engine, sampler), structured output's token bitmask on the
-#      device, the GPU-only tests (CUDA-graph capture, one
+#      device, the GPU-only tests (CUDA-graph capture, speculation's verify-step graphs, one
 #      host sync per decode step), attention bandwidth against a device copy, swap
 #      bandwidth against a plain memcpy, engine throughput against transformers on the
 #      same GPU, the real model in bfloat16 against transformers (when its package is

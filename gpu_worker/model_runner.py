@@ -44,6 +44,7 @@ from gpu_worker.token_bitmask import apply_bitmask, pack_rows
 from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, accepted_run
 from ipc.schema import BatchPlan, StepResult, StepTiming, WorkerHello
 from shared.checkpoint import capped_max_len
+from shared.config import StepLimits
 from shared.sampling import SamplingParams
 from shared.swap_pool import SwapPoolSegment
 from shared.worker_settings import WorkerSettings
@@ -97,11 +98,12 @@ class ModelRunner:
         taken whole), on ``device`` with ``dtype`` (default: bfloat16 on CUDA, float32
         elsewhere). ``group``: this rank's tensor-parallel group; the model is then
         sharded over it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this
-        rank's KV heads. ``cuda_graphs``: capture decode-only steps
-        (:mod:`gpu_worker.cuda_graphs`) for up to ``max_num_seqs`` sequences of up to
-        ``max_model_len`` tokens (capped by the checkpoint's limit); CUDA only, ignored
-        elsewhere. ``num_gpu_blocks`` unset: sized from ``gpu_memory_utilization`` on
-        CUDA, :data:`DEFAULT_CPU_BLOCKS` float32 blocks' memory elsewhere.
+        rank's KV heads. ``cuda_graphs``: capture decode steps, and verify
+        steps of ``num_speculative_tokens`` (:mod:`gpu_worker.cuda_graphs`), for up to
+        ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (capped by the
+        checkpoint's limit); CUDA only, ignored elsewhere. ``num_gpu_blocks`` unset:
+        sized from ``gpu_memory_utilization`` on CUDA, :data:`DEFAULT_CPU_BLOCKS` float32
+        blocks' memory elsewhere.
         ``model_impl``: ``auto`` runs the checkpoint through
         :class:`~gpu_worker.lean_model.LeanDecoder` where its model type has one (on any
         device, sharded or not), else through transformers' model code; ``transformers``
@@ -199,20 +201,31 @@ class ModelRunner:
         self.attention_backend.warm_up([(None, cap), *([(window, cap)] if window else [])])
         capturable = self.attention_backend.capturable
         if settings.server.cuda_graphs and device.type == "cuda" and capturable:
-            max_len = capped_max_len(limits.max_model_len, model_dir)
-            self.graphs = DecodeGraphs(
-                lambda tensors, plan: self._run_model(tensors, self.kv_cache, plan),
-                lambda arrays: self.attention_backend.plan(
-                    arrays, self.kv_cache.num_blocks, capture=True
-                ),
-                max_num_seqs=limits.max_num_seqs,
-                width=-(-max_len // block_size),
-                device=device,
-                staging=self.staging,
-            )
-            self.graphs.capture()
+            self.graphs = self.capture_graphs(limits)
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
         self.state = WorkerState(block_size)
+
+    def capture_graphs(self, limits: StepLimits) -> DecodeGraphs:
+        """The forward captured for decode steps and for verify steps of
+        ``limits.num_speculative_tokens`` (:mod:`gpu_worker.cuda_graphs`), on this runner's
+        cache and attention backend."""
+        max_len = capped_max_len(limits.max_model_len, self.model_dir)
+        verify = limits.num_speculative_tokens + 1  # a verify step's rows per sequence
+        graphs = DecodeGraphs(
+            lambda tensors, plan: self._run_model(tensors, self.kv_cache, plan),
+            lambda arrays: self.attention_backend.plan(
+                arrays, self.kv_cache.num_blocks, capture=True
+            ),
+            max_num_seqs=limits.max_num_seqs,
+            width=-(-(max_len + verify) // self.block_size),
+            device=self.device,
+            staging=self.staging,
+            rows=(1, verify),
+            max_tokens=limits.max_num_batched_tokens,
+            runs=lambda arrays: self.attention_backend.graph_runs(arrays),
+        )
+        graphs.capture()
+        return graphs
 
     @property
     def vocab_size(self) -> int:
@@ -312,7 +325,7 @@ class ModelRunner:
         arrays = inputs.host_arrays(self.block_size)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
         backend = self.attention_backend
-        if self.graphs is not None and cache is self.kv_cache and backend.graph_runs(arrays):
+        if self.graphs is not None and cache is self.kv_cache:
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return hidden

@@ -76,6 +76,16 @@ class StepLimits(Settings, frozen=True):
         int,
         Meta(ge=2, description="Longest context (prompt + generated tokens) a request may reach."),
     ] = 4096
+    num_speculative_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=16,
+            description="Tokens proposed per sequence and step by prompt lookup (n-gram), "
+            "or by the draft model when speculative_model is set, verified in one "
+            "forward; 0 = no speculative decoding.",
+        ),
+    ] = 0
 
 
 class SchedulerConfig(StepLimits, frozen=True):
@@ -180,16 +190,6 @@ class SchedulerConfig(StepLimits, frozen=True):
             "not back yet is a placeholder they fill in); off = wait for each result."
         ),
     ] = True
-    num_speculative_tokens: Annotated[
-        int,
-        Meta(
-            ge=0,
-            le=16,
-            description="Tokens proposed per sequence and step by prompt lookup (n-gram), "
-            "or by the draft model when speculative_model is set, verified in one "
-            "forward; 0 = no speculative decoding.",
-        ),
-    ] = 0
     speculative_backoff: Annotated[
         bool,
         Meta(

@@ -1,8 +1,8 @@
 """gpu_worker.cuda_graphs without a GPU: bucket choice, padding (a padded decode step's
-real rows equal the unpadded step's, on the CPU path and on the Triton path under the
-interpreter), replay through the static inputs (the CUDA graph faked by an eager
-re-run), and the fallback off CUDA. The capture itself is checked by
-benchmarks/gpu_check.sh on a GPU."""
+real rows, and a padded verify step's, equal the unpadded step's, on the CPU path and on
+the Triton path under the interpreter), replay through the static inputs (the CUDA graph
+faked by an eager re-run) for decode and verify shapes, and the fallback off CUDA. The
+capture itself is checked by benchmarks/gpu_check.sh on a GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gpu_worker.cuda_graphs import (
     bucket_for,
     graph_buckets,
     is_decode_only,
-    pad_decode,
+    pad_step,
 )
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.step_inputs import StepInputs
@@ -69,7 +69,7 @@ def _prefill(runner: ModelRunner, contexts: list[list[int]]) -> list[list[int]]:
     """Fill the cache with the contexts (each in its own blocks); their block tables."""
     tables, inputs, first = [], StepInputs(), 0
     for tokens in contexts:
-        blocks = -(-(len(tokens) + 1) // BLOCK)
+        blocks = -(-(len(tokens) + 8) // BLOCK)  # room for a verify step's rows
         tables.append(list(range(first, first + blocks)))
         first += blocks
         inputs.token_ids.extend(tokens)
@@ -80,12 +80,16 @@ def _prefill(runner: ModelRunner, contexts: list[list[int]]) -> list[list[int]]:
     return tables
 
 
-def _decode_arrays(contexts: list[list[int]], tables: list[list[int]]) -> dict[str, np.ndarray]:
+def _decode_arrays(
+    contexts: list[list[int]], tables: list[list[int]], rows: list[int] | None = None
+) -> dict[str, np.ndarray]:
+    """A step computing ``rows[s]`` new tokens (default 1: a decode) after context s."""
+    rows = rows or [1] * len(contexts)
     inputs = StepInputs(
-        token_ids=[7 + i for i in range(len(contexts))],
+        token_ids=[7 + i + 3 * j for i, n in enumerate(rows) for j in range(n)],
         starts=[len(c) for c in contexts],
         tables=tables,
-        query_start_loc=list(range(len(contexts) + 1)),
+        query_start_loc=[0, *np.cumsum(rows).tolist()],
     )
     arrays = inputs.host_arrays(BLOCK)
     arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
@@ -103,8 +107,18 @@ def _hidden(runner: ModelRunner, arrays: dict[str, np.ndarray]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("triton", [False, True], ids=["cpu-path", "triton-path"])
+@pytest.mark.parametrize(
+    ("rows", "bucket", "per_seq"),
+    [([1, 1, 1], 8, 1), ([5, 1, 3], 4, 5)],
+    ids=["decode", "verify"],
+)
 def test_padding_rows_do_not_change_the_real_rows(
-    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, triton: bool
+    runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    triton: bool,
+    rows: list[int],
+    bucket: int,
+    per_seq: int,
 ) -> None:
     if triton:  # the backend a runner chooses with EXPEDITOR_FORCE_TRITON=1
         forced = {"EXPEDITOR_FORCE_TRITON": "1"}
@@ -116,18 +130,25 @@ def test_padding_rows_do_not_change_the_real_rows(
     # where a write of (nearly) the same values would not show as a write.
     runner.kv_cache.kv.zero_()
     tables = _prefill(runner, contexts)
-    arrays = _decode_arrays(contexts, tables)
-    assert is_decode_only(arrays)
+    arrays = _decode_arrays(contexts, tables, rows)
+    assert is_decode_only(arrays) == (per_seq == 1)
     before = runner.kv_cache.kv.clone()
     eager = _hidden(runner, arrays)
     after_eager = runner.kv_cache.kv.clone()
     runner.kv_cache.kv.copy_(before)
-    padded = pad_decode(arrays, 8, width=6)
-    assert padded["block_tables"].shape == (8, 6)
-    assert padded["slot_mapping"][3:].tolist() == [-1] * 5  # nothing stored for padding
-    assert padded["query_start_loc"].tolist() == list(range(9))
+    padded = pad_step(arrays, bucket, width=6, rows=per_seq)
+    real = padded.pop("rows")
+    tokens = bucket * per_seq
+    assert padded["block_tables"].shape == (bucket, 6)
+    assert padded["query_start_loc"].tolist() == list(range(0, tokens + 1, per_seq))
+    # Each sequence's real rows first in its rows, in order; nothing stored for padding.
+    assert real.tolist() == [s * per_seq + j for s, n in enumerate(rows) for j in range(n)]
+    assert np.flatnonzero(padded["slot_mapping"] >= 0).tolist() == real.tolist()
+    assert padded["seq_lens"][:3].tolist() == [
+        len(c) + per_seq for c in contexts
+    ]  # the real keys, plus as many as each sequence's padding rows
     replayed = _hidden(runner, padded)
-    torch.testing.assert_close(replayed[:3], eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(replayed[torch.from_numpy(real)], eager, rtol=1e-5, atol=1e-5)
     # The same slots written (no more: padding stores nothing), with the same values.
     written = (runner.kv_cache.kv != before).flatten(-2).any(-1)  # per slot
     assert torch.equal(written, (after_eager != before).flatten(-2).any(-1))
@@ -137,7 +158,10 @@ def test_padding_rows_do_not_change_the_real_rows(
 def test_pad_refuses_what_does_not_fit() -> None:
     arrays = _decode_arrays([[1, 2]] * 3, [[0]] * 3)
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode(arrays, 2, width=4)
+        pad_step(arrays, 2, width=4)
+    verify = _decode_arrays([[1, 2]] * 2, [[0]] * 2, rows=[3, 1])
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_step(verify, 2, width=4, rows=2)
 
 
 class _FakeGraph:
@@ -159,16 +183,16 @@ def fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_replay_goes_through_the_static_inputs(runner: ModelRunner, fake_cuda_graphs: None) -> None:
-    planned: list[int] = []
+    planned: list[tuple[int, int]] = []
 
     def forward(tensors: dict[str, torch.Tensor], schedule: object) -> torch.Tensor:
-        assert schedule == "schedule-of-the-bucket"
+        assert schedule == "schedule-of-the-shape"
         arrays = {name: t.numpy() for name, t in tensors.items()}
         return runner._run_model(tensors, runner.kv_cache, _planned(runner, arrays))
 
     def plan(arrays: dict[str, np.ndarray]) -> str:
-        planned.append(arrays["seq_lens"].shape[0])
-        return "schedule-of-the-bucket"
+        planned.append((arrays["seq_lens"].shape[0], int(arrays["query_start_loc"][1])))
+        return "schedule-of-the-shape"
 
     graphs = DecodeGraphs(
         forward,
@@ -177,35 +201,49 @@ def test_replay_goes_through_the_static_inputs(runner: ModelRunner, fake_cuda_gr
         width=6,
         device=torch.device("cpu"),
         staging=runner.staging,
+        rows=(1, 5),  # decodes, and verify steps of 4 proposals
+        max_tokens=12,  # no verify shape of 4 sequences (20 tokens)
     )
     graphs.capture()
-    assert sorted(graphs.graphs) == [1, 2, 4]
-    assert planned == [4, 2, 1]  # one schedule per bucket, kept with its graph
-    for bucket, graph in graphs.graphs.items():
-        static, out = graphs._inputs[bucket], graphs._outputs[bucket]
-        schedule = graphs._schedules[bucket]
+    assert sorted(graphs.graphs) == [(1, 1), (1, 5), (2, 1), (2, 5), (4, 1)]
+    # one schedule per shape, kept with its graph, the largest captured first
+    assert planned == [(2, 5), (1, 5), (4, 1), (2, 1), (1, 1)]
+    for shape, graph in graphs.graphs.items():
+        static, out = graphs._inputs[shape], graphs._outputs[shape]
+        schedule = graphs._schedules[shape]
         graph.replay_fn = lambda s=static, o=out, p=schedule: o.copy_(forward(s, p))
 
     contexts = [list(range(1, 1 + n)) for n in (9, 20, 3)]
     tables = _prefill(runner, contexts)
-    arrays = _decode_arrays(contexts, tables)
+    steps = {  # a decode step, and verify steps (with a short prefill chunk) of 2 and 1
+        (4, 1): _decode_arrays(contexts, tables),
+        (2, 5): _decode_arrays(contexts[:2], tables[:2], rows=[5, 2]),
+        (1, 5): _decode_arrays(contexts[2:], tables[2:], rows=[4]),
+    }
     before = runner.kv_cache.kv.clone()
-    eager = _hidden(runner, arrays)
-    runner.kv_cache.kv.copy_(before)
-    with torch.inference_mode():
-        replayed = graphs.run(arrays)
-    assert replayed is not None and replayed.shape == eager.shape
-    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
-    assert graphs.replays == 1
-    # Steps a graph does not cover run eagerly: a prefill chunk, too many sequences,
-    # a block table wider than captured.
-    chunk = dict(arrays, query_start_loc=np.array([0, 1, 2, 4], dtype=np.int32))
-    assert graphs.run(chunk) is None
+    for replays, (shape, arrays) in enumerate(steps.items(), start=1):
+        runner.kv_cache.kv.copy_(before)
+        eager = _hidden(runner, arrays)
+        after = runner.kv_cache.kv.clone()
+        runner.kv_cache.kv.copy_(before)
+        assert graphs.shape_for(arrays) == shape
+        with torch.inference_mode():
+            replayed = graphs.run(arrays)
+        assert replayed is not None and replayed.shape == eager.shape
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(runner.kv_cache.kv, after, rtol=1e-5, atol=1e-5)
+        assert graphs.replays == replays
+    # Steps a graph does not cover run eagerly: a chunk longer than a verify step,
+    # a verify step of more tokens than captured, too many sequences, a block table
+    # wider than captured; and a step the backend's launches do not fit.
+    chunk = _decode_arrays(contexts, tables, rows=[1, 1, 6])
+    three = _decode_arrays(contexts, tables, rows=[5, 1, 1])
     five = _decode_arrays([[1, 2]] * 5, [[0]] * 5)
-    assert graphs.run(five) is None
     wide = _decode_arrays([[1, 2]], [[0] * 7])
-    assert graphs.run(wide) is None
-    assert graphs.replays == 1
+    assert [graphs.run(a) for a in (chunk, three, five, wide)] == [None] * 4
+    graphs.runs = lambda arrays: False
+    assert graphs.run(steps[4, 1]) is None
+    assert graphs.replays == len(steps)
 
 
 def test_off_cuda_graphs_are_skipped(checkpoint: Path) -> None:
@@ -217,10 +255,12 @@ def test_off_cuda_graphs_are_skipped(checkpoint: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_graphs_give_the_eager_tokens(checkpoint: Path) -> None:
-    """On a GPU: capture at start-up, replay for decode steps, same greedy tokens as
-    every step eager (float32)."""
+@pytest.mark.parametrize("k", [0, 4], ids=["decode", "speculative"])
+def test_captured_graphs_give_the_eager_tokens(checkpoint: Path, k: int) -> None:
+    """On a GPU: capture at start-up, replay for decode steps (and for prompt lookup's
+    verify steps with ``k``), same greedy tokens as every step eager (float32)."""
     prompts = [[1, *range(10, 10 + n)] for n in (3, 40, 17, 5, 60)]
+    prompts += [[1, *([20, 21, 22, 23] * 8)]]  # where prompt lookup proposes
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = {}
     for graphs in (False, True):
@@ -232,9 +272,12 @@ def test_captured_graphs_give_the_eager_tokens(checkpoint: Path) -> None:
             max_model_len=128,
             max_num_seqs=8,
             num_gpu_blocks=256,
+            num_speculative_tokens=k,
+            speculative_backoff=False,
         ) as llm:
             runs[graphs] = [o.samples[0].token_ids for o in llm.generate(prompts, params)]
             if graphs:
                 assert llm.runner.graphs is not None
                 assert llm.runner.graphs.replays > 0
+                assert {rows for _, rows in llm.runner.graphs.graphs} == {1, k + 1}
     assert runs[True] == runs[False]

@@ -107,7 +107,7 @@ STEP_PATH = {
     },
     "gpu_worker/step_inputs.py": None,
     "gpu_worker/kernels/attention_schedule.py": None,
-    "gpu_worker/cuda_graphs.py": {"run", "pad_decode", "is_decode_only", "bucket_for"},
+    "gpu_worker/cuda_graphs.py": {"run", "shape_for", "pad_step", "is_decode_only", "bucket_for"},
     "gpu_worker/lean_model.py": {"__call__", "rotary", "_row_parallel"},
     "gpu_worker/sampler.py": None,  # every function
     "gpu_worker/attention/__init__.py": {"attend", "expeditor_attention"},

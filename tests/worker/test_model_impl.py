@@ -6,6 +6,7 @@ and the hidden states and greedy tokens equal transformers'."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from support.hf_reference import Oracle
 from support.runner_steps import (
+    BLOCK,
     PROMPTS,
     SEQ_BLOCKS,
     STEPS,
@@ -23,9 +25,11 @@ from support.runner_steps import (
     step_runner,
 )
 
-from gpu_worker.cuda_graphs import DecodeGraphs
+from expeditor import LLM
 from gpu_worker.lean_model import LEAN_TYPES, LeanDecoder
 from gpu_worker.model_runner import ModelRunner
+from shared.config import StepLimits
+from shared.sampling import SamplingParams
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 MAX_NUM_SEQS = 4
@@ -79,16 +83,13 @@ def _cuda_path_runner(
     backend = runner.attention_backend
     assert backend.name == "triton" and backend.capturable
     monkeypatch.setattr(backend, "graph_runs", lambda arrays: True)
-    if graphs:
-        runner.graphs = DecodeGraphs(
-            lambda tensors, plan: runner._run_model(tensors, runner.kv_cache, plan),
-            lambda arrays: backend.plan(arrays, runner.kv_cache.num_blocks, capture=True),
-            max_num_seqs=MAX_NUM_SEQS,
-            width=SEQ_BLOCKS,
-            device=runner.device,
-            staging=runner.staging,
+    if graphs:  # tables as wide as the steps' (SEQ_BLOCKS), with a decode's one row
+        limits = dict(block_size=BLOCK, max_num_batched_tokens=256)
+        max_len = SEQ_BLOCKS * BLOCK - 1
+        runner.graphs = runner.capture_graphs(
+            StepLimits(max_num_seqs=MAX_NUM_SEQS, max_model_len=max_len, **limits)
         )
-        runner.graphs.capture()
+        assert runner.graphs.width == SEQ_BLOCKS
     return runner
 
 
@@ -120,7 +121,7 @@ def test_the_cuda_path_runs_the_lean_forward(
     assert lean.lean is not None
     assert lean.model_impl_note == f"lean (model type {arch!r})"
     graphs = lean.graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    assert graphs is not None and sorted(graphs.graphs) == [(1, 1), (2, 1), (4, 1)]
     for graph in graphs.graphs.values():
         # The capture ran the lean forward, once, and the graph's output is its output.
         assert isinstance(graph, _FakeGraph) and len(graph.captured) == 1
@@ -151,3 +152,40 @@ def test_the_cuda_path_runs_the_lean_forward(
         )
     assert lean_tokens == plain_tokens
     assert agrees_with(lean_tokens, hf_oracle(path, list(PROMPTS.values()), 8)), lean_tokens
+
+
+def test_verify_steps_replay_their_graphs(
+    tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, cuda_path: None
+) -> None:
+    """Speculative decoding on the CUDA step path: prompt lookup's verify steps replay
+    the graphs of k + 1 rows per sequence, and the greedy tokens equal those without
+    graphs and those without speculation."""
+    path = tiny_checkpoint("llama")
+    prompts = [[1, *range(40, 52)] * 3, [1, *([60, 61, 62, 63] * 6)], [1, 7, 8, 9] * 4]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens: dict[tuple[int, bool], list[list[int]]] = {}
+    replayed: Counter[int] = Counter()  # replays by rows per sequence
+    for k, graphs in ((0, False), (4, False), (4, True)):
+        limits = dict(max_model_len=96, max_num_seqs=4, num_gpu_blocks=64)
+        spec = dict(num_speculative_tokens=k, speculative_backoff=False)
+        with LLM(path, device="cpu", dtype=torch.float32, **limits, **spec) as llm:
+            runner = llm.runner
+            assert runner.attention_backend.name == "triton" and runner.lean is not None
+            if graphs:  # as captured on CUDA (no split-KV decodes to rule out here)
+                monkeypatch.setattr(runner.attention_backend, "graph_runs", lambda a: True)
+                captured = runner.graphs = runner.capture_graphs(llm.config)
+                assert {rows for _, rows in captured.graphs} == {1, 5}
+                run = captured.run
+
+                def counted(arrays: Any, run: Any = run, captured: Any = captured) -> Any:
+                    shape = captured.shape_for(arrays)
+                    out = run(arrays)
+                    if out is not None:
+                        replayed[shape[1]] += 1
+                    return out
+
+                monkeypatch.setattr(captured, "run", counted)
+            outs = llm.generate(prompts, params)
+            tokens[k, graphs] = [out.samples[0].token_ids for out in outs]
+    assert replayed[5] > 0 and replayed[1] > 0, replayed
+    assert tokens[4, True] == tokens[4, False] == tokens[0, False]
