@@ -45,7 +45,7 @@ def main() -> None:
     bs, layers = args.block_size, args.layers
     layout = argparse.Namespace(
         num_layers=layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=bs, dtype=dtype,
+        block_size=bs, dtype=dtype, kv_dtype=None,
     )  # fmt: skip
     kernels, why = load(torch.device("cpu"), layout, args.heads)
     if kernels is None:

@@ -6,7 +6,8 @@ masks, a call per group. The kernel attends every sequence straight from the blo
 tables, each key and value row read once for all the query heads of its KV head, with
 an online softmax (windows and soft-capping too), and stores the step's new K/V. With
 AVX-512 it reads keys in tiles of 16 (a tile's rows whole, once for the sequence's query
-heads) and in bfloat16 takes the scores as AVX-512 BF16 dot products (:data:`FEATURES`). A
+heads) and in bfloat16 takes the scores as AVX-512 BF16 dot products (:data:`FEATURES`).
+A call's sequences are spread over torch's own OpenMP threads (:data:`OPENMP`). A
 sequence with more than :data:`PROMPT_ROWS` query rows (a prompt chunk) attends through
 the torch backend's groups instead, where SDPA's blocked matmuls beat the kernel's
 vector-at-a-time loops, except in a soft-capped layer (SDPA cannot cap). The plan makes
@@ -58,14 +59,21 @@ FLAGS += ("-fno-signed-zeros", "-fno-trapping-math")
 """Reassociation lets the compiler vectorise the sums; infinities keep their meaning."""
 TUNE = ("-march=native",)
 """Tried first (the kernel runs where it is built); dropped if the compiler refuses."""
+OPENMP = ("-fopenmp",)
+"""The sequences of a call spread over OpenMP threads; tried first, dropped if the
+compiler has no OpenMP. The library names ``libgomp.so.1``, which torch (GNU OpenMP on
+Linux) has loaded by then, so the kernel runs on torch's own thread pool: as many
+threads as ``torch.set_num_threads`` gave, and the ones a matmul just left spinning,
+where a thread of the kernel's own would compete with them for the cores."""
 MAX_HEAD_DIM = MAX_BLOCK_SIZE = 256
 """The kernel's limits (``MAX_HEAD_DIM``, ``MAX_BLOCK`` in the source)."""
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 """The kernel's dtypes and its entry points' suffixes."""
-FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"))
+FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"), (8, "openmp"))
 """``expeditor_kernel_features()``'s bits: AVX2 and FMA loops; AVX-512 tiles of 16 keys,
 each key and value row read once for all the query vectors of its sequence; AVX-512 BF16
-dot products (``vdpbf16ps``) for a bf16 layer's scores."""
+dot products (``vdpbf16ps``) for a bf16 layer's scores; a call's sequences over
+:data:`OPENMP` threads."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -100,7 +108,7 @@ def build(directory: Path | None = None) -> Path:
     directory = directory or cache_dir() / "kernels"
     version = _run([compiler, "--version"], 30).stdout.encode()
     errors = []
-    for flags in ((*FLAGS, *TUNE), FLAGS):
+    for flags in ((*FLAGS, *OPENMP, *TUNE), (*FLAGS, *TUNE), FLAGS):
         key = b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, _cpu_id()])
         target = directory / f"paged_attention_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
         if target.exists():
@@ -130,7 +138,10 @@ class NativeKernels:
         self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F, ctypes.c_int]
         bits = lib.expeditor_kernel_features()
         self.features = tuple(name for bit, name in FEATURES if bits & bit)
-        """What the build uses (``FEATURES``' names): ``-march=native`` decides."""
+        """What the build uses (``FEATURES``' names): ``-march=native`` and the
+        compiler's OpenMP decide."""
+        self.threads = lib.expeditor_kernel_threads
+        """The threads a call may use now (1 without OpenMP)."""
         self.tiles = True
         """With ``avx512``: attend in tiles of 16 keys (block sizes a multiple of 16,
         head_dim a multiple of 32, no soft-capping); else, or False, vector by vector."""

@@ -5,8 +5,8 @@
  * within a block; tables[s, j] int32, table_stride apart; seqs (int64) the sequences to
  * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
  * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C;
- * with AVX-512 (and tiles set) keys go in tiles of 16, see attend_tiles.
- * The caller has checked every index.
+ * with AVX-512 (and tiles set) keys go in tiles of 16, see attend_tiles. Built with
+ * OpenMP, a call's sequences spread over the threads. The caller has checked every index.
  *
  * The code below the prelude is written once over an element type T and compiled twice:
  * this file includes itself with T = float (entry points *_f32) and T = uint16_t holding
@@ -30,6 +30,12 @@
 #define HAVE_AVX512BF16 1
 #else
 #define HAVE_AVX512BF16 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#define HAVE_OPENMP 1
+#else
+#define HAVE_OPENMP 0
 #endif
 
 /* A quantized cache (gpu_worker/kv_quant.py): int8 codes [blocks, block_size, kv_heads,
@@ -211,8 +217,20 @@ static inline void dequantize_rows(float *out, const int8_t *codes, const uint16
     }
 }
 
-/* What this build uses: 1 AVX2 and FMA, 2 AVX-512 tiles, 4 AVX-512 BF16 dot products. */
-int expeditor_kernel_features(void) { return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2; }
+/* What this build uses: 1 AVX2 and FMA, 2 AVX-512 tiles, 4 AVX-512 BF16 dot products,
+ * 8 OpenMP threads over the sequences. */
+int expeditor_kernel_features(void) {
+    return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2 | HAVE_OPENMP << 3;
+}
+
+/* The threads a call may use (OpenMP's: torch's pool, sized by torch.set_num_threads). */
+int expeditor_kernel_threads(void) {
+#if HAVE_OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 #define T float
 #define NAME(x) x##_f32
@@ -597,6 +615,9 @@ static int NAME(paged_attention)(
         return -1;
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t key_row = num_kv_heads * head_dim; /* floats between two slots */
+    /* Sequences spread over the process's OpenMP threads (torch's own pool: see
+     * native_backend.py), taken one at a time as each thread finishes its last. */
+#pragma omp parallel for schedule(dynamic, 1) if (n_seqs > 1)
     for (int64_t si = 0; si < n_seqs; si++) {
         const int64_t s = seqs[si];
         const int64_t q0 = query_start_loc[s];

@@ -432,7 +432,8 @@ CPU_FLAGS = set(CPUINFO.read_text().split()) if CPUINFO.exists() else set()
 
 
 @pytest.mark.parametrize(
-    ("tune", "features"), [((), ()), (("-march=native", "-mno-avx512f"), ("avx2",))]
+    ("tune", "features"),
+    [((), ("openmp",)), (("-march=native", "-mno-avx512f"), ("avx2", "openmp"))],
 )
 def test_the_portable_and_avx2_builds_match_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tune: tuple[str, ...],
@@ -460,7 +461,26 @@ def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:
     kernels = native_backend._loaded(torch.bfloat16)
     assert isinstance(kernels, NativeKernels) and kernels.tiles
     bf16 = ("avx512_bf16",) if "avx512_bf16" in CPU_FLAGS else ()
-    assert kernels.features == ("avx2", "avx512", *bf16)
+    assert kernels.features == ("avx2", "avx512", *bf16, "openmp")
+
+
+def test_the_kernel_runs_on_torchs_threads() -> None:
+    """The OpenMP build shares torch's thread pool (torch.set_num_threads sizes it: one
+    runtime in the process, not a second pool competing with torch's), and a call's
+    sequences spread over those threads give what one thread gives, bit for bit."""
+    kernels = native_backend._loaded(torch.float32)
+    assert isinstance(kernels, NativeKernels) and "openmp" in kernels.features
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert kernels.threads() == threads
+            kv, meta, layers = make_step(mixed_seqs(32), 2, 2, 32, 16, 11)
+            outs.append(check_native(kv, meta, layers, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, two) for one, two in zip(*outs, strict=True))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
