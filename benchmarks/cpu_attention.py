@@ -10,7 +10,7 @@ weights then evict the caches the kernel would find warm). SmolLM2-135M's shapes
 default (30 layers, 9 query / 3 KV heads of 64, block 16).
 
     .venv/bin/python benchmarks/cpu_attention.py [--seqs 64] [--context 140] \
-        [--dtype bfloat16] [--matmul] [--rounds 7] [--json]
+        [--dtype bfloat16] [--matmul] [--rounds 7] [--threads N] [--json]
 """
 
 from __future__ import annotations
@@ -39,8 +39,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--matmul", action="store_true", help="weight reads between layers")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads, the kernel's too (0: torch's)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     bs, layers = args.block_size, args.layers
     layout = argparse.Namespace(
@@ -95,6 +100,7 @@ def main() -> None:
     read_s = statistics.median(timed_sum(read) for _ in range(args.rounds))
     result = {
         "seqs": args.seqs, "context": args.context, "dtype": args.dtype,
+        "threads": kernels.threads(),
         "features": list(kernels.features), "matmul": args.matmul,
         "tiles_ms": 1e3 * statistics.median(times[True]),
         "vectors_ms": 1e3 * statistics.median(times[False]),
@@ -107,7 +113,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(
-        f"{args.seqs} decodes, context ~{args.context}, {args.dtype}, {layers} layers "
+        f"{args.seqs} decodes, context ~{args.context}, {args.dtype}, {layers} layers, "
+        f"{result['threads']} threads "
         f"({result['kv_mb']:.0f} MB of K/V; build: {', '.join(kernels.features) or 'plain C'}"
         f"{'; weight reads between layers' if args.matmul else ''}):\n"
         f"  tiles   {result['tiles_ms']:7.2f} ms  {result['tiles_gb_s']:5.1f} GB/s\n"
