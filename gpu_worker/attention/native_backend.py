@@ -3,16 +3,17 @@ bfloat16 (K/V, queries and outputs in the model's dtype; float32 sums either way
 
 On a CPU the torch backend spends most of a layer on bookkeeping: gathering K/V copies,
 masks, a call per group. The kernel attends every sequence straight from the block
-tables, each key and value row read once for all the query heads of its KV head, with
-an online softmax (windows and soft-capping too), and stores the step's new K/V. With
-AVX-512 it reads keys in tiles of 16 (a tile's rows whole, once for the sequence's query
-heads) and in bfloat16 takes the scores as AVX-512 BF16 dot products (:data:`FEATURES`).
-A call's sequences are spread over torch's own OpenMP threads (:data:`OPENMP`). A
-sequence with more than :data:`PROMPT_ROWS` query rows (a prompt chunk) attends through
-the torch backend's groups instead, where SDPA's blocked matmuls beat the kernel's
-vector-at-a-time loops, except in a soft-capped layer (SDPA cannot cap). The plan makes
-that split once per step, and checks every index the kernel will follow (the kernel
-trusts them), in the int32/int64 copies the kernel then reads.
+tables in tiles of 16 keys, each tile's key and value rows read once for all the query
+heads of their KV head, with an online softmax (windows and soft-capping too), written
+once in vectors of 16 floats that ``-march=native`` maps onto the machine's registers
+(in bfloat16 with AVX-512 BF16 the scores are its dot products: :data:`FEATURES`); an
+int8 cache's tiles are dequantized as they are read. A call's sequences are spread over
+torch's own OpenMP threads (:data:`OPENMP`). A sequence with more than
+:data:`PROMPT_ROWS` query rows (a prompt chunk) attends through the torch backend's
+groups instead, where SDPA's blocked matmuls beat the kernel's vector-at-a-time scores,
+except in a soft-capped layer (SDPA cannot cap). The plan makes that split once per
+step, and checks every index the kernel will follow (the kernel trusts them), in the
+int32/int64 copies the kernel then reads.
 
 Build: the first worker on a machine compiles the source with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) into ``kernels/`` of expeditor's cache directory
@@ -65,15 +66,15 @@ compiler has no OpenMP. The library names ``libgomp.so.1``, which torch (GNU Ope
 Linux) has loaded by then, so the kernel runs on torch's own thread pool: as many
 threads as ``torch.set_num_threads`` gave, and the ones a matmul just left spinning,
 where a thread of the kernel's own would compete with them for the cores."""
-MAX_HEAD_DIM = MAX_BLOCK_SIZE = 256
-"""The kernel's limits (``MAX_HEAD_DIM``, ``MAX_BLOCK`` in the source)."""
+MAX_HEAD_DIM = 256
+"""The kernel's limit (``MAX_HEAD_DIM`` in the source)."""
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 """The kernel's dtypes and its entry points' suffixes."""
 FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"), (8, "openmp"))
-"""``expeditor_kernel_features()``'s bits: AVX2 and FMA loops; AVX-512 tiles of 16 keys,
-each key and value row read once for all the query vectors of its sequence; AVX-512 BF16
-dot products (``vdpbf16ps``) for a bf16 layer's scores; a call's sequences over
-:data:`OPENMP` threads."""
+"""``expeditor_kernel_features()``'s bits, what the build targets: AVX2 and FMA (a
+16-float vector in two registers), AVX-512 (in one), AVX-512 BF16 dot products
+(``vdpbf16ps``) for a bf16 layer's scores, a call's sequences over :data:`OPENMP`
+threads; none: SSE vectors."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -134,20 +135,14 @@ class NativeKernels:
         self.path, self.dtype = path, dtype
         lib = ctypes.CDLL(str(path))
         self._attend = getattr(lib, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
-        self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
-        self._attend.argtypes += [_I, _I, _I, _I, _I, _F, _I, _F, ctypes.c_int]
+        self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P]
+        self._attend.argtypes += [_P, _P, _I, _I, _I, _I, _I, _F, _I, _F]
         bits = lib.expeditor_kernel_features()
         self.features = tuple(name for bit, name in FEATURES if bits & bit)
-        """What the build uses (``FEATURES``' names): ``-march=native`` and the
+        """What the build targets (``FEATURES``' names): ``-march=native`` and the
         compiler's OpenMP decide."""
         self.threads = lib.expeditor_kernel_threads
         """The threads a call may use now (1 without OpenMP)."""
-        self.tiles = True
-        """With ``avx512``: attend in tiles of 16 keys (block sizes a multiple of 16,
-        head_dim a multiple of 32, no soft-capping); else, or False, vector by vector."""
-        self._attend_q8 = getattr(lib, f"expeditor_paged_attention_q8_{SUFFIXES[dtype]}")
-        self._attend_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P]
-        self._attend_q8.argtypes += [_P, _P, _I, _I, _I, _I, _I, _F, _I, _F]
         self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
         self._store.restype = None
         self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
@@ -175,16 +170,13 @@ class NativeKernels:
         if not len(seqs):
             return
         cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
+        cache += (
+            (0, 0, 0) if scales is None else (*(s.data_ptr() for s in scales), scales[0].stride(0))
+        )
         tables = (step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr())
         shape = (seqs.data_ptr(), len(seqs), q.shape[1], *caches[0].shape[1:])
-        if scales is None:
-            args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
-            failed = self._attend(*args, p.scale, p.window, p.softcap, self.tiles)
-        else:
-            cache += (scales[0].data_ptr(), scales[1].data_ptr(), scales[0].stride(0))
-            args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
-            failed = self._attend_q8(*args, p.scale, p.window, p.softcap)
-        if failed:
+        args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
+        if self._attend(*args, p.scale, p.window, p.softcap):
             raise ValueError("native attention refused the shapes")
 
 
@@ -209,8 +201,8 @@ def load(
         return None, f"{layout.dtype} on {device.type} (the kernel: float32, bfloat16 on a CPU)"
     if layout.kv_dtype not in (None, torch.int8):
         return None, f"a {layout.kv_dtype} KV cache (the kernel reads int8 codes, no fp8)"
-    if layout.head_dim > MAX_HEAD_DIM or layout.block_size > MAX_BLOCK_SIZE:
-        return None, f"head_dim or block_size beyond the kernel's {MAX_HEAD_DIM}"
+    if layout.head_dim > MAX_HEAD_DIM:
+        return None, f"head_dim {layout.head_dim} beyond the kernel's {MAX_HEAD_DIM}"
     kernels = _loaded(layout.dtype)
     return (None, kernels) if isinstance(kernels, str) else (kernels, "")
 
@@ -294,58 +286,35 @@ class NativeBackend(AttentionBackend):
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
     ) -> Tensor:
         step: NativeStep = meta.plan
-        key_cache, value_cache = caches = meta.layer_caches[layer]
-        if meta.layer_scales is not None:
-            return self._forward_int8(step, caches, meta.layer_scales[layer], q, k, v, p)
-        dtype = self.kernels.dtype
-        rows = (t.dtype == dtype and t.stride(2) == 1 for t in (q, k, v))
-        if not (all(rows) and q.shape[0] == k.shape[0] == v.shape[0] == step.slots.shape[0]):
+        caches = meta.layer_caches[layer]
+        scales = None if meta.layer_scales is None else meta.layer_scales[layer]
+        dtype, tokens = self.kernels.dtype, step.slots.shape[0]
+        rows = (q, k, v) if scales is None else (q,)  # K/V the kernel stores
+        if not all(t.dtype == dtype and t.stride(2) == 1 and len(t) == tokens for t in rows):
             raise ValueError(f"native attention takes {dtype} rows of the step's tokens")
         if not step.caches_checked:
-            inner = (key_cache.shape[2] * key_cache.shape[3], key_cache.shape[3], 1)
-            layout = (value_cache.dtype, value_cache.stride(), tuple(key_cache.stride()[1:]))
-            if key_cache.dtype != dtype or layout != (dtype, key_cache.stride(), inner):
-                raise ValueError(f"native attention takes {dtype} caches, contiguous in a block")
+            check_caches(caches, scales, dtype)
             step.caches_checked = True
-        self.kernels.store_kv(k, v, caches, step.slots)
-        out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
-        self.kernels.attend(q, caches, step, out, p)
-        for g in () if p.softcap else step.groups:
-            attend_group(g, out, q, k, v, caches, p)
-        return out
-
-    def _forward_int8(
-        self,
-        step: NativeStep,
-        caches: Caches,
-        scales: Caches,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        p: AttentionParams,
-    ) -> Tensor:
-        """An int8 cache: codes and scales stored as the torch backend stores them, the
-        kernel dequantizing each block tile it reads (prompt groups as torch's do)."""
-        if q.dtype != self.kernels.dtype or q.stride(2) != 1:
-            raise ValueError(f"native attention takes {self.kernels.dtype} queries")
-        if not step.caches_checked:
-            codes = caches[0]
-            inner = (codes.shape[2] * codes.shape[3], codes.shape[3], 1)
-            rows = (scales[0].shape[2], 1)
-            if not (
-                codes.dtype == caches[1].dtype == torch.int8
-                and tuple(codes.stride()[1:]) == inner == tuple(caches[1].stride()[1:])
-                and codes.stride(0) == caches[1].stride(0)
-                and scales[0].dtype == scales[1].dtype == torch.float16
-                and tuple(scales[0].stride()[1:]) == rows == tuple(scales[1].stride()[1:])
-                and scales[0].stride(0) == scales[1].stride(0)
-            ):
-                raise ValueError("native attention takes int8 caches, contiguous in a block")
-            step.caches_checked = True
-        assert step.quantized_store is not None
-        k, v = store_layer(caches, scales, *step.quantized_store, k, v, q.dtype)
+        if scales is None:
+            self.kernels.store_kv(k, v, caches, step.slots)
+        else:  # codes and scales stored as the torch backend stores them
+            assert step.quantized_store is not None
+            k, v = store_layer(caches, scales, *step.quantized_store, k, v, dtype)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)
         return out
+
+
+def check_caches(caches: Caches, scales: Caches | None, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless a layer's caches are as the kernel reads them: ``dtype``
+    (int8 codes with float16 ``scales``), the two alike, contiguous within a block."""
+    (keys, values), code = caches, dtype if scales is None else torch.int8
+    inner = (keys.shape[2] * keys.shape[3], keys.shape[3], 1)
+    pairs = [(keys, values, code, inner)]
+    if scales is not None:
+        pairs.append((*scales, torch.float16, (scales[0].shape[2], 1)))
+    for a, b, kind, rows in pairs:
+        if not (a.dtype == b.dtype == kind and a.stride() == b.stride() and a.stride()[1:] == rows):
+            raise ValueError(f"native attention takes {kind} caches, contiguous in a block")

@@ -1,12 +1,19 @@
-/* Paged attention for the native CPU backend, in float32 and in bfloat16
- * (gpu_worker/attention/native_backend.py has the design): per sequence and KV head, its
- * query vectors attend block by block with an online softmax, accumulating in float32. Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise;
- * caches [blocks, block_size, kv_heads, head_dim], block_stride floats apart, contiguous
- * within a block; tables[s, j] int32, table_stride apart; seqs (int64) the sequences to
- * compute (other rows of out are left as they are). With AVX2 and FMA the inner loops use
- * intrinsics (a polynomial exponential, relative error about 2e-7), elsewhere plain C;
- * with AVX-512 (and tiles set) keys go in tiles of 16, see attend_tiles. Built with
- * OpenMP, a call's sequences spread over the threads. The caller has checked every index.
+/* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py has
+ * the design): per sequence, its query vectors attend in tiles of 16 consecutive keys
+ * with an online softmax, accumulating in float32, several KV heads side by side so that
+ * each tile's key and value rows are read once for all the vectors of a head. Written
+ * once, in GCC vector extensions of 16 floats (one AVX-512 register, two AVX2 ones, four
+ * SSE ones: the build's -march decides), with a polynomial exponential (relative error
+ * about 2e-7); with AVX-512 BF16, a bf16 layer's scores are vdpbf16ps dot products of the
+ * raw query and key pairs. Built with OpenMP, a call's sequences spread over the threads.
+ * The caller has checked every index.
+ *
+ * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise; caches [blocks,
+ * block_size, kv_heads, head_dim], block_stride elements apart, contiguous within a
+ * block; an int8 cache (gpu_worker/kv_quant.py) holds codes so, with a float16 scale per
+ * row [blocks, block_size, kv_heads], scale_stride apart; tables[s, j] int32,
+ * table_stride apart; seqs (int64) the sequences to compute (other rows of out are left
+ * as they are).
  *
  * The code below the prelude is written once over an element type T and compiled twice:
  * this file includes itself with T = float (entry points *_f32) and T = uint16_t holding
@@ -16,17 +23,19 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define HAVE_AVX2 1
 #else
 #define HAVE_AVX2 0
 #endif
-#if HAVE_AVX2 && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
 #endif
-#if HAVE_AVX512 && defined(__AVX512BF16__)
+#if HAVE_AVX2
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
 #else
 #define HAVE_AVX512BF16 0
@@ -38,160 +47,119 @@
 #define HAVE_OPENMP 0
 #endif
 
-/* A quantized cache (gpu_worker/kv_quant.py): int8 codes [blocks, block_size, kv_heads,
- * head_dim], block_stride bytes apart, and a float16 scale per row [blocks, block_size,
- * kv_heads], scale_stride halves apart. */
-typedef struct {
-    const int8_t *keys, *values;
-    const uint16_t *key_scales, *value_scales;
-    int64_t block_stride, scale_stride;
-} Q8;
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+/* The machine's own vector (NL floats), for the value sums' broadcasts: lowered to
+ * half-width registers, a 16-float one is assembled in memory. */
+#define NL (HAVE_AVX512 ? 16 : HAVE_AVX2 ? 8 : 4)
+typedef float vn __attribute__((vector_size(4 * NL)));
 
-#define MAX_VECTORS 16   /* query vectors attended together (per KV head) */
-#define TILE_KV_HEADS 8  /* KV heads attended together in tiles */
+#define MAX_VECTORS 16  /* query vectors of a KV head attended together */
+#define TILE_KV_HEADS 8 /* KV heads attended together */
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256
+/* Value columns (NL-float vectors) and query vectors accumulated at once: as many as
+ * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's). */
+#define VALUE_COLS 4
+#define VALUE_VECTORS (HAVE_AVX512 ? 4 : 2)
+#define SHUFFLE __builtin_shufflevector
+#define INLINE static inline __attribute__((always_inline)) /* vectors stay in registers */
 
-#if HAVE_AVX2
-/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once. */
-static inline __m256 sum8(const __m256 *a) {
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                         _mm256_permute2f128_ps(t0, t1, 0x31));
-}
+static const v16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-/* exp's range reduction (ln 2 in two parts) and polynomial, shared by exp8 and exp16. */
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2_HI 0.693359375f
-#define EXP_LN2_LO 2.12194440e-4f
-#define EXP_P0 1.9875691500e-4f
-#define EXP_P1 1.3981999507e-3f
-#define EXP_P2 8.3334519073e-3f
-#define EXP_P3 4.1665795894e-2f
-#define EXP_P4 1.6666665459e-1f
-#define EXP_P5 5.0000001201e-1f
+INLINE v16 splat(float x) { return (v16){0} + x; }
 
-/* exp(x) on eight lanes for x <= 0 (a softmax after subtracting the max); 0 below -87. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 floor_x = _mm256_set1_ps(-87.0f);
-    const __m256 below = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, floor_x);
-    const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-#endif
+/* m ? a : b, lane by lane (m: a comparison's all-ones or zero lanes). */
+INLINE v16 select16(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
 
-#if HAVE_AVX512
-/* Lane j: the sum of a[TILE_SLOT[j]]'s lanes (the order the shuffles below leave). */
+/* Lane j: the sum of a[TILE_SLOT[j]]'s lanes. The four levels halve the lanes with
+ * shuffles that are single instructions (vshuff32x4 across 128-bit lanes, vshufps
+ * within), leaving the sums in this order. */
 static const int TILE_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-static inline __m512 sum16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
+INLINE v16 sum16(const v16 *a) {
+    v16 b[8], c[4], d[2];
     for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
-                             _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+        b[i] = SHUFFLE(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88),
-                             _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+        c[i] = SHUFFLE(b[i], b[i + 4], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(b[i], b[i + 4], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44),
-                             _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+        d[i] = SHUFFLE(c[i], c[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUFFLE(c[i], c[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return SHUFFLE(d[0], d[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           SHUFFLE(d[0], d[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
 }
 
-/* exp8 on sixteen lanes. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 floor_x = _mm512_set1_ps(-87.0f);
-    const __mmask16 below = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor_x);
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i bits =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(~below, p, _mm512_castsi512_ps(bits));
+/* The sum (add) or maximum (max) of x's lanes, halving its width each step. */
+#define FOLD(x, op)                                                                        \
+    v8 y = op(SHUFFLE(x, x, 0, 1, 2, 3, 4, 5, 6, 7), SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15)); \
+    v4 z = op(SHUFFLE(y, y, 0, 1, 2, 3), SHUFFLE(y, y, 4, 5, 6, 7));                        \
+    z = op(z, SHUFFLE(z, z, 2, 3, 0, 1));                                                  \
+    return op(z, SHUFFLE(z, z, 1, 0, 3, 2))[0]
+#define ADD(a, b) ((a) + (b))
+#define MAX(a, b)                                                          \
+    ({                                                                     \
+        const __typeof__(a) a_ = (a), b_ = (b);                            \
+        const __typeof__(a_ > b_) m_ = a_ > b_;                            \
+        (__typeof__(a_))((m_ & (__typeof__(m_))a_) | (~m_ & (__typeof__(m_))b_)); \
+    })
+INLINE float hsum(v16 x) { FOLD(x, ADD); }
+INLINE float hmax(v16 x) {
+#if HAVE_AVX512 /* one instruction a level (the fold's MAX keeps NaN semantics: three) */
+    return _mm512_reduce_max_ps((__m512)x);
+#else
+    FOLD(x, MAX);
+#endif
 }
-#endif
 
-/* x[j] = exp(x[j] - top) for j < n; returns their sum. */
-static inline float exp_shifted(float *x, int64_t n, float top) {
-    int64_t j = 0;
-    float total = 0.0f;
-#if HAVE_AVX2
-    __m256 sums = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(top);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
-        _mm256_storeu_ps(x + j, p);
-        sums = _mm256_add_ps(sums, p);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, sums);
-    total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-            ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-#endif
-    for (; j < n; j++) {
-        x[j] = expf(x[j] - top);
-        total += x[j];
-    }
-    return total;
+/* exp(x) lane by lane for x <= 0 (a softmax after subtracting the max); 0 below -87:
+ * 2^n times a polynomial of the remainder, ln 2 in two parts. */
+INLINE v16 exp16(v16 x) {
+    const v16i below = x < splat(-87.0f);
+    x = select16(below, splat(-87.0f), x);
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    v16i n = __builtin_convertvector(y, v16i); /* truncated; floor for negative y below */
+    n += __builtin_convertvector(n, v16) > y;
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (v16)(~below & (v16i)(p * (v16)((n + 127) << 23)));
 }
 
 /* The online softmax's step: a row's running max raised to include top (finite); returns
  * the factor its running sums take (0 for the first keys, 1 when the max holds). */
-static inline float raise_max(float *run_max, float top) {
+INLINE float raise_max(float *run_max, float top) {
     const float old = *run_max;
     if (top <= old) return 1.0f;
     *run_max = top;
     return old == -INFINITY ? 0.0f : expf(old - top);
 }
 
-/* The largest of x[0 .. n). */
-static inline float block_max(const float *x, int64_t n) {
-    float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) top = x[j] > top ? x[j] : top;
-    return top;
-}
-
 /* bfloat16 <-> float32: bf16 is float32's upper half. */
-static inline float bf16_to_f32(uint16_t x) {
+INLINE float bf16_to_f32(uint16_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+INLINE uint16_t f32_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* float16 -> float32 (a quantized cache's scales; subnormals included). */
-static inline float f16_to_f32(uint16_t h) {
+/* float16 -> float32 (an int8 cache's scales; subnormals included). */
+INLINE float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
     const uint32_t mant = h & 0x3ffu;
     if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
@@ -204,20 +172,60 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Rows [0, n) of an int8 block for one KV head, times their float16 scales, into
- * out[j * head_dim + d]: codes key_row apart, scales num_kv_heads apart. */
-static inline void dequantize_rows(float *out, const int8_t *codes, const uint16_t *scales,
-                                   int64_t n, int64_t key_row, int64_t num_kv_heads,
-                                   int64_t head_dim) {
-    for (int64_t j = 0; j < n; j++) {
-        const float scale = f16_to_f32(scales[j * num_kv_heads]);
-        const int8_t *c = codes + j * key_row;
-        float *o = out + j * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) o[d] = (float)c[d] * scale;
-    }
+/* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero:
+ * float32 as it is, bfloat16 widened (its bits are float32's upper half). */
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t vnh __attribute__((vector_size(2 * NL)));
+typedef uint32_t vnu __attribute__((vector_size(4 * NL)));
+INLINE v16 load_f32(const float *p, int64_t n) {
+    v16 x = {0};
+    memcpy(&x, p, sizeof(float) * (n == 16 ? 16 : n)); /* whole: one load */
+    return x;
+}
+INLINE vn load_f32n(const float *p, int64_t n) {
+    vn x = {0};
+    memcpy(&x, p, sizeof(float) * (n == NL ? NL : n));
+    return x;
+}
+/* bfloat16 lanes widened, as instructions where the build has them (GCC would split a
+ * 16-lane conversion in two). */
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+INLINE v8 widen8(v8h h) {
+#if HAVE_AVX2
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
+#else
+    return (v8)(__builtin_convertvector(h, v8u) << 16);
+#endif
+}
+INLINE v16 widen16(v16h h) {
+#if HAVE_AVX512
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#else
+    const v8 lo = widen8(SHUFFLE(h, h, 0, 1, 2, 3, 4, 5, 6, 7));
+    const v8 hi = widen8(SHUFFLE(h, h, 8, 9, 10, 11, 12, 13, 14, 15));
+    return SHUFFLE(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+INLINE v16 load_bf16(const uint16_t *p, int64_t n) {
+    v16h h = {0};
+    memcpy(&h, p, sizeof(uint16_t) * (n == 16 ? 16 : n));
+    return widen16(h);
+}
+INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
+    vnh h = {0};
+    memcpy(&h, p, sizeof(uint16_t) * (n == NL ? NL : n));
+#if NL == 16
+    return widen16(h);
+#elif NL == 8
+    return widen8(h);
+#else
+    return (vn)(__builtin_convertvector(h, vnu) << 16);
+#endif
 }
 
-/* What this build uses: 1 AVX2 and FMA, 2 AVX-512 tiles, 4 AVX-512 BF16 dot products,
+/* What this build targets: 1 AVX2 and FMA, 2 AVX-512, 4 AVX-512 BF16 dot products,
  * 8 OpenMP threads over the sequences. */
 int expeditor_kernel_features(void) {
     return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2 | HAVE_OPENMP << 3;
@@ -234,468 +242,261 @@ int expeditor_kernel_threads(void) {
 
 #define T float
 #define NAME(x) x##_f32
-#define LOAD(p) (*(p))
+#define LOAD(p, n) load_f32(p, n)
+#define LOADN(p, n) load_f32n(p, n)
 #define STORE(x) (x)
-#define LOAD8(p) _mm256_loadu_ps(p)
-#define LOAD16(p) _mm512_loadu_ps(p)
 #define DOT_BF16 0
 #include __FILE__
 #undef T
 #undef NAME
 #undef LOAD
+#undef LOADN
 #undef STORE
-#undef LOAD8
-#undef LOAD16
 #undef DOT_BF16
 
 #define T uint16_t
 #define NAME(x) x##_bf16
-#define LOAD(p) bf16_to_f32(*(p))
+#define LOAD(p, n) load_bf16(p, n)
+#define LOADN(p, n) load_bf16n(p, n)
 #define STORE(x) f32_to_bf16(x)
-#define LOAD8(p)                                                                       \
-    _mm256_castsi256_ps(                                                               \
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define LOAD16(p)                                                                      \
-    _mm512_castsi512_ps(                                                               \
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#define DOT_BF16 HAVE_AVX512BF16 /* q . k in bf16 pairs, float32 sums (vdpbf16ps) */
+#define DOT_BF16 HAVE_AVX512BF16
 #include __FILE__
 
 #else /* the code over T */
 
-/* scores[r][j] = q[r] . k_j for the block's first n_slots keys (rows key_row apart). */
-static inline __attribute__((always_inline)) void NAME(block_scores)(
-    const float *qv, int64_t nv, const T *kb, int64_t key_row, int64_t n_slots,
-    const int64_t head_dim, float *scores, int64_t score_row) {
-    int64_t j0 = 0;
-#if HAVE_AVX2
-    if (head_dim % 8 == 0)
-        for (; j0 + 8 <= n_slots; j0 += 8)
-            for (int64_t r = 0; r < nv; r++) {
-                const float *qr = qv + r * head_dim;
-                __m256 a[8];
-                for (int t = 0; t < 8; t++) {
-                    const T *k = kb + (j0 + t) * key_row;
-                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), LOAD8(k));
-                    for (int64_t d = 8; d < head_dim; d += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), LOAD8(k + d), acc);
-                    a[t] = acc;
-                }
-                _mm256_storeu_ps(scores + r * score_row + j0, sum8(a));
-            }
-#endif
-    for (int64_t j = j0; j < n_slots; j++) {
-        const T *k = kb + j * key_row;
-        for (int64_t r = 0; r < nv; r++) {
-            const float *qr = qv + r * head_dim;
-            float x = 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) x += qr[d] * LOAD(k + d);
-            scores[r * score_row + j] = x;
-        }
-    }
-}
+typedef struct {
+    const T *q;
+    const void *keys, *values; /* T, or int8 codes with key_scales */
+    const uint16_t *key_scales, *value_scales;
+    T *out;
+    const int32_t *tables, *seq_lens, *starts;
+    int64_t q_tok, q_head, o_tok, o_head, block_stride, scale_stride, table_stride;
+    int64_t block_size, num_kv_heads, per_kv, key_row, window;
+    float scale, softcap;
+} NAME(Args);
 
-/* acc[r] += sum_j p[r][j] * v_j over the block's first n_slots values. */
-static inline __attribute__((always_inline)) void NAME(block_values)(
-    float *acc, int64_t nv, const T *vb, int64_t key_row, int64_t n_slots,
-    const int64_t head_dim, const float *p, int64_t p_row) {
-#if HAVE_AVX2
-    if (head_dim % 8 == 0) {
-        /* 64 columns at a time, and as many query vectors as keep eight independent
-         * accumulators in registers (one chain per vector would wait on each FMA). Rows
-         * past nv (up to a multiple of the group) are the caller's zeroed spares. */
-        for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
-            const int64_t lanes = head_dim - c0 < 64 ? (head_dim - c0) / 8 : 8;
-            const int64_t group = 8 / lanes;
-            for (int64_t r0 = 0; r0 < nv; r0 += group) {
-                __m256 a[8];
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t c = 0; c < lanes; c++)
-                        a[g * lanes + c] = _mm256_loadu_ps(acc + (r0 + g) * head_dim + c0 + 8 * c);
-                for (int64_t j = 0; j < n_slots; j++) {
-                    const T *v = vb + j * key_row + c0;
-                    __m256 vv[8];
-                    for (int64_t c = 0; c < lanes; c++) vv[c] = LOAD8(v + 8 * c);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m256 w = _mm256_set1_ps(p[(r0 + g) * p_row + j]);
-                        for (int64_t c = 0; c < lanes; c++)
-                            a[g * lanes + c] = _mm256_fmadd_ps(w, vv[c], a[g * lanes + c]);
-                    }
-                }
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t c = 0; c < lanes; c++)
-                        _mm256_storeu_ps(acc + (r0 + g) * head_dim + c0 + 8 * c, a[g * lanes + c]);
-            }
-        }
-        return;
-    }
-#endif
-    for (int64_t j = 0; j < n_slots; j++) {
-        const T *v = vb + j * key_row;
-        for (int64_t r = 0; r < nv; r++) {
-            const float w = p[r * p_row + j];
-            for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] += w * LOAD(v + d);
-        }
-    }
-}
-
-/* A block's scores soft-capped and masked, then turned into the online softmax's weights
- * (scores[r][j] = exp(score - running max)), the running sums and accumulators rescaled. */
-static inline __attribute__((always_inline)) void NAME(mask_and_weigh)(
-    float *scores_buf, float *acc_buf, float *run_max, float *run_sum, const int64_t *row_pos,
-    int64_t nv, int64_t base, int64_t n_slots, int64_t low_pos, int64_t hi,
-    const int64_t head_dim, int64_t block_size, int64_t window, float softcap) {
-    float(*scores)[block_size] = (float(*)[block_size])scores_buf;
-    float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
-    if (softcap > 0.0f)
-        for (int64_t r = 0; r < nv; r++)
-            for (int64_t j = 0; j < n_slots; j++)
-                scores[r][j] = softcap * tanhf(scores[r][j] / softcap);
-    /* Only a block past the lowest row's position, or (windowed) reaching below the
-     * highest row's window, has keys some row must not see. */
-    if (base + n_slots - 1 > low_pos || (window > 0 && base <= hi - window))
-        for (int64_t r = 0; r < nv; r++)
-            for (int64_t j = 0; j < n_slots; j++) {
-                const int64_t key = base + j;
-                if (key > row_pos[r] || (window > 0 && key <= row_pos[r] - window))
-                    scores[r][j] = -INFINITY;
-            }
-    for (int64_t r = 0; r < nv; r++) {
-        const float top = block_max(scores[r], n_slots);
-        if (top == -INFINITY) {
-            for (int64_t j = 0; j < n_slots; j++) scores[r][j] = 0.0f;
+/* Where the key and value rows of KV heads kv0 .. kv0 + n_kv of positions base .. base +
+ * n sit: in the cache, or (an int8 cache) dequantized into kbuf and vbuf, as the torch
+ * backend dequantizes them (float32 products, rounded to T). */
+INLINE void NAME(tile_rows)(
+    const NAME(Args) *a, const int32_t *table, int64_t base, int64_t n, int64_t kv0,
+    int64_t n_kv, const int64_t head_dim, const T **krow, const T **vrow, T *kbuf, T *vbuf) {
+    int64_t b = base / a->block_size, off = base % a->block_size;
+    for (int64_t j = 0; j < n; j++, off++) {
+        if (off == a->block_size) b++, off = 0;
+        const int64_t at = table[b] * a->block_stride + off * a->key_row + kv0 * head_dim;
+        if (!a->key_scales) {
+            krow[j] = (const T *)a->keys + at;
+            vrow[j] = (const T *)a->values + at;
             continue;
         }
-        const float alpha = raise_max(&run_max[r], top);
-        const float total = exp_shifted(scores[r], n_slots, run_max[r]);
-        run_sum[r] = run_sum[r] * alpha + total;
-        if (alpha != 1.0f)
-            for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= alpha;
-    }
-}
-
-/* One sequence's query vectors v0 .. v0 + nv of KV head kv; head_dim is a constant in
- * the specialised copies below (the compiler then unrolls the head_dim loops). */
-static inline __attribute__((always_inline)) void NAME(attend_vectors)(
-    const T *q, int64_t q_tok, int64_t q_head, const T *key_cache,
-    const T *value_cache, T *out, int64_t o_tok, int64_t o_head, const int32_t *table,
-    int64_t q0, int64_t first_pos, int64_t per_kv, int64_t kv, int64_t v0, int64_t nv,
-    int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, float softcap, const Q8 *q8) {
-    float qv_buf[MAX_VECTORS * head_dim], acc_buf[MAX_VECTORS * head_dim];
-    float scores_buf[MAX_VECTORS * block_size];
-    float(*qv)[head_dim] = (float(*)[head_dim])qv_buf;
-    float(*acc)[head_dim] = (float(*)[head_dim])acc_buf;
-    float run_max[MAX_VECTORS], run_sum[MAX_VECTORS];
-    int64_t row_pos[MAX_VECTORS];
-    /* Rows grow with the vectors: the first has the lowest position, the last the highest. */
-    const int64_t low_pos = first_pos + v0 / per_kv, hi = first_pos + (v0 + nv - 1) / per_kv;
-    const int64_t lo = window > 0 && low_pos - window + 1 > 0 ? low_pos - window + 1 : 0;
-    /* Spare rows past nv too: block_values may run them (zero weights into zero sums). */
-    memset(acc_buf, 0, sizeof(acc_buf));
-    memset(scores_buf, 0, sizeof(scores_buf));
-    for (int64_t r = 0; r < nv; r++) {
-        const int64_t vec = v0 + r, row = vec / per_kv;
-        const int64_t head = kv * per_kv + vec % per_kv;
-        const T *src = q + (q0 + row) * q_tok + head * q_head;
-        for (int64_t d = 0; d < head_dim; d++) qv[r][d] = LOAD(src + d) * scale;
-        run_max[r] = -INFINITY;
-        run_sum[r] = 0.0f;
-        row_pos[r] = first_pos + row;
-    }
-    for (int64_t b = lo / block_size; b * block_size <= hi; b++) {
-        const int64_t base = b * block_size;
-        const int64_t n_slots = hi + 1 - base < block_size ? hi + 1 - base : block_size;
-        const int64_t block = table[b];
-        if (q8) { /* a quantized cache: the block's rows of this KV head as floats */
-            const int64_t codes = block * q8->block_stride + kv * head_dim;
-            const int64_t scales = block * q8->scale_stride + kv;
-            const int64_t heads = key_row / head_dim;
-            float kf[block_size * head_dim], vf[block_size * head_dim];
-            dequantize_rows(kf, q8->keys + codes, q8->key_scales + scales, n_slots, key_row,
-                            heads, head_dim);
-            dequantize_rows(vf, q8->values + codes, q8->value_scales + scales, n_slots,
-                            key_row, heads, head_dim);
-            block_scores_f32(qv_buf, nv, kf, head_dim, n_slots, head_dim, scores_buf,
-                             block_size);
-            NAME(mask_and_weigh)(scores_buf, acc_buf, run_max, run_sum, row_pos, nv, base,
-                                 n_slots, low_pos, hi, head_dim, block_size, window, softcap);
-            block_values_f32(acc_buf, nv, vf, head_dim, n_slots, head_dim, scores_buf,
-                             block_size);
-            continue;
-        }
-        const T *kb = key_cache + block * block_stride + kv * head_dim;
-        const T *vb = value_cache + block * block_stride + kv * head_dim;
-        if ((b + 1) * block_size <= hi) { /* the next block is a jump: fetch it early */
-            const int64_t next = table[b + 1] * block_stride + kv * head_dim;
-            for (int64_t j = 0; j < block_size; j++) {
-                __builtin_prefetch(key_cache + next + j * key_row);
-                __builtin_prefetch(value_cache + next + j * key_row);
+        const int64_t sc = table[b] * a->scale_stride + off * a->num_kv_heads + kv0;
+        const int8_t *kc = (const int8_t *)a->keys + at, *vc = (const int8_t *)a->values + at;
+        T *kd = kbuf + j * n_kv * head_dim, *vd = vbuf + j * n_kv * head_dim;
+        for (int64_t h = 0; h < n_kv; h++) {
+            const float ks = f16_to_f32(a->key_scales[sc + h]);
+            const float vs = f16_to_f32(a->value_scales[sc + h]);
+            for (int64_t d = h * head_dim; d < (h + 1) * head_dim; d++) {
+                kd[d] = STORE((float)kc[d] * ks);
+                vd[d] = STORE((float)vc[d] * vs);
             }
         }
-        NAME(block_scores)(qv_buf, nv, kb, key_row, n_slots, head_dim, scores_buf, block_size);
-        NAME(mask_and_weigh)(scores_buf, acc_buf, run_max, run_sum, row_pos, nv, base, n_slots,
-                             low_pos, hi, head_dim, block_size, window, softcap);
-        NAME(block_values)(acc_buf, nv, vb, key_row, n_slots, head_dim, scores_buf, block_size);
+        krow[j] = kd, vrow[j] = vd;
     }
-    for (int64_t r = 0; r < nv; r++) {
-        const int64_t vec = v0 + r, row = vec / per_kv;
-        const int64_t head = kv * per_kv + vec % per_kv;
-        T *dst = out + (q0 + row) * o_tok + head * o_head;
-        const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[r][d] * inv);
-    }
+    for (int64_t j = n; j < 16; j++) krow[j] = krow[n - 1], vrow[j] = vrow[n - 1];
 }
 
-#if HAVE_AVX512
-/* The same attention with keys in tiles of 16 slots (block_size a multiple of 16) and
- * sixteen-lane registers: a vector's 16 scores of a tile are one register (its mask, max,
- * exponentials and sum too), each key and value row is loaded once per tile for G
- * vectors at a time, and in bf16 the scores are vdpbf16ps dot products of the raw bf16
- * query and key pairs (the scale applied to the sums). */
+/* One key row's 16-lane partial dot product with a query vector (its lanes' sum is the
+ * score): float32 FMAs over the scaled query, or bf16 pairs over the raw one (dot). */
+INLINE v16 NAME(partial_dot)(
+    const v16 *qv, const T *k, const int64_t head_dim, const int dot) {
+    v16 s = {0};
+    (void)dot;
 #if DOT_BF16
-#define QLANES 32
-#define QREG __m512bh
-#else
-#define QLANES 16
-#define QREG __m512
+    if (dot) {
+        for (int64_t c = 0; c < head_dim / 32; c++) {
+            v16 kk;
+            memcpy(&kk, k + 32 * c, sizeof kk);
+            s = (v16)_mm512_dpbf16_ps((__m512)s, (__m512bh)qv[c], (__m512bh)kk);
+        }
+        return s;
+    }
 #endif
+    for (int64_t c = 0; c < (head_dim + 15) / 16; c++)
+        s += qv[c] * LOAD(k + 16 * c, head_dim - 16 * c < 16 ? head_dim - 16 * c : 16);
+    return s;
+}
 
-/* acc[g] += sum_j p[g][j] * v_j over the tile's first n slots, for G vectors. */
-static inline __attribute__((always_inline)) void NAME(tile_values)(
-    float *acc, const float *p, const T *vb, int64_t key_row, int64_t n, const int64_t head_dim,
-    const int G) {
-    for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
-        const int64_t lanes = head_dim - c0 < 64 ? (head_dim - c0) / 16 : 4;
-        __m512 a[4][4], vv[4];
+/* acc[g] += sum_j p[g][j] * v_j over the tile's first n rows, for G vectors (acc rows
+ * stride floats apart, p rows 16), in the machine's own vectors. */
+INLINE void NAME(tile_values)(float *acc, int64_t stride, const float *p, const T *const *vrow,
+                              int64_t n, const int64_t head_dim, const int G) {
+    const int64_t chunks = (head_dim + NL - 1) / NL;
+    for (int64_t c0 = 0; c0 < chunks; c0 += VALUE_COLS) {
+        const int64_t cols = chunks - c0 < VALUE_COLS ? chunks - c0 : VALUE_COLS;
+        vn acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
         for (int g = 0; g < G; g++)
-            for (int64_t c = 0; c < lanes; c++)
-                a[g][c] = _mm512_loadu_ps(acc + g * head_dim + c0 + 16 * c);
+            for (int64_t c = 0; c < cols; c++)
+                memcpy(&acc_v[g][c], acc + g * stride + NL * (c0 + c), sizeof(vn));
         for (int64_t j = 0; j < n; j++) {
-            for (int64_t c = 0; c < lanes; c++) vv[c] = LOAD16(vb + j * key_row + c0 + 16 * c);
-            for (int g = 0; g < G; g++) {
-                const __m512 w = _mm512_set1_ps(p[g * 16 + j]);
-                for (int64_t c = 0; c < lanes; c++) a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+            for (int64_t c = 0; c < cols; c++) {
+                const int64_t d = NL * (c0 + c);
+                vv[c] = LOADN(vrow[j] + d, head_dim - d < NL ? head_dim - d : NL);
             }
+            for (int g = 0; g < G; g++)
+                for (int64_t c = 0; c < cols; c++) acc_v[g][c] += p[g * 16 + j] * vv[c];
         }
         for (int g = 0; g < G; g++)
-            for (int64_t c = 0; c < lanes; c++)
-                _mm512_storeu_ps(acc + g * head_dim + c0 + 16 * c, a[g][c]);
+            for (int64_t c = 0; c < cols; c++)
+                memcpy(acc + g * stride + NL * (c0 + c), &acc_v[g][c], sizeof(vn));
     }
 }
 
-static inline __attribute__((always_inline)) void NAME(attend_tiles)(
-    const T *q, int64_t q_tok, int64_t q_head, const T *key_cache, const T *value_cache,
-    T *out, int64_t o_tok, int64_t o_head, const int32_t *table, int64_t q0,
-    int64_t first_pos, int64_t per_kv, int64_t kv0, int64_t n_kv, int64_t v0, int64_t nv,
-    int64_t key_row, int64_t block_stride, const int64_t head_dim, int64_t block_size,
-    float scale, int64_t window) {
-    /* Vectors v0 .. v0 + nv of each of KV heads kv0 .. kv0 + n_kv, the heads' state side by
-     * side so that a tile's rows are read whole, once. */
-    QREG qv[n_kv][nv][head_dim / QLANES];
-    float acc[n_kv][nv][head_dim], p[n_kv][nv][16], run_max[n_kv][nv], run_sum[n_kv][nv];
-    int32_t row_pos[MAX_VECTORS];
+/* Vectors v0 .. v0 + nv of KV heads kv0 .. kv0 + n_kv of one sequence (rows grow with the
+ * vectors: the first has the lowest position, the last the highest); head_dim is a
+ * constant in the specialised copies below (the compiler then unrolls its loops). */
+INLINE void NAME(attend_tiles)(
+    const NAME(Args) *a, const int32_t *table, int64_t q0, int64_t first_pos, int64_t kv0,
+    int64_t n_kv, int64_t v0, int64_t nv, const int64_t head_dim) {
+    const int64_t per_kv = a->per_kv, window = a->window, hp = (head_dim + 15) / 16 * 16;
+    const int dot = DOT_BF16 && head_dim % 32 == 0, quantized = a->key_scales != 0;
+    v16 qv[n_kv][nv][hp / 16];
+    float acc[n_kv][nv][hp], p[n_kv][nv][16], run_max[n_kv][nv], run_sum[n_kv][nv];
+    T kbuf[quantized ? 16 * n_kv * head_dim : 1], vbuf[quantized ? 16 * n_kv * head_dim : 1];
+    const T *rows[2][2][16], *(*cur)[16] = rows[0], *(*next)[16] = rows[1]; /* keys, values */
     const int64_t low_pos = first_pos + v0 / per_kv, hi = first_pos + (v0 + nv - 1) / per_kv;
     const int64_t lo = window > 0 && low_pos - window + 1 > 0 ? low_pos - window + 1 : 0;
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const int64_t lines = n_kv * head_dim * (int64_t)sizeof(T); /* bytes of a slot's heads */
-    for (int64_t r = 0; r < nv; r++) row_pos[r] = (int32_t)(first_pos + (v0 + r) / per_kv);
     for (int64_t h = 0; h < n_kv; h++)
         for (int64_t r = 0; r < nv; r++) {
-            const int64_t vec = v0 + r, row = vec / per_kv;
-            const T *src = q + (q0 + row) * q_tok + ((kv0 + h) * per_kv + vec % per_kv) * q_head;
-            for (int64_t c = 0; c < head_dim / QLANES; c++)
-#if DOT_BF16
-                memcpy(&qv[h][r][c], src + QLANES * c, sizeof qv[h][r][c]);
-#else
-                qv[h][r][c] = _mm512_mul_ps(LOAD16(src + QLANES * c), _mm512_set1_ps(scale));
-#endif
+            const int64_t vec = v0 + r, head = (kv0 + h) * per_kv + vec % per_kv;
+            const T *src = a->q + (q0 + vec / per_kv) * a->q_tok + head * a->q_head;
+            for (int64_t c = 0; dot && c < head_dim / 32; c++) /* raw bf16 pairs */
+                memcpy(&qv[h][r][c], src + 32 * c, sizeof(v16));
+            for (int64_t c = 0; !dot && c < hp / 16; c++) {
+                const int64_t left = head_dim - 16 * c;
+                qv[h][r][c] = LOAD(src + 16 * c, left < 16 ? left : 16) * splat(a->scale);
+            }
             memset(acc[h][r], 0, sizeof acc[h][r]);
             run_max[h][r] = -INFINITY;
             run_sum[h][r] = 0.0f;
         }
+    int ready = 0; /* cur holds this tile's rows: the last tile fetched them early */
     for (int64_t base = lo / 16 * 16; base <= hi; base += 16) {
         const int64_t n = hi + 1 - base < 16 ? hi + 1 - base : 16;
-        const int64_t at = table[base / block_size] * block_stride + base % block_size * key_row +
-                           kv0 * head_dim;
-        if (base + 16 <= hi) { /* fetch the next tile early: it may be in another block */
-            const int64_t next = base + 16;
-            const int64_t at2 = table[next / block_size] * block_stride +
-                                next % block_size * key_row + kv0 * head_dim;
-            for (int64_t j = 0; j < 16; j++)
-                for (int64_t b = 0; b < lines; b += 64) {
-                    __builtin_prefetch((const char *)(key_cache + at2 + j * key_row) + b);
-                    __builtin_prefetch((const char *)(value_cache + at2 + j * key_row) + b);
-                }
-        }
-        const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int32_t)base), iota);
+        if (!ready)
+            NAME(tile_rows)(a, table, base, n, kv0, n_kv, head_dim, cur[0], cur[1], kbuf, vbuf);
+        const T **krow = cur[0], **vrow = cur[1], **next_k = next[0], **next_v = next[1];
+        /* The next tile's rows, fetched early (an int8 cache's are dequantized later). */
+        const int64_t after = hi + 1 - (base + 16), m = quantized || after <= 0 ? 0
+                                                        : after < 16 ? after : 16;
+        if (m) NAME(tile_rows)(a, table, base + 16, m, kv0, n_kv, head_dim, next_k, next_v, 0, 0);
         for (int64_t h = 0; h < n_kv; h++) {
-            const T *kb = key_cache + at + h * head_dim, *vb = value_cache + at + h * head_dim;
+            for (int64_t j = 0; j < m; j++) /* head h's lines, spread over the heads */
+                for (int64_t b = 0; b < head_dim * (int64_t)sizeof(T); b += 64) {
+                    __builtin_prefetch((const char *)(next_k[j] + h * head_dim) + b);
+                    __builtin_prefetch((const char *)(next_v[j] + h * head_dim) + b);
+                }
             for (int64_t r = 0; r < nv; r++) {
-                __mmask16 seen = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(row_pos[r]));
-                if (window > 0)
-                    seen &= _mm512_cmpgt_epi32_mask(
-                        keys, _mm512_set1_epi32(row_pos[r] - (int32_t)window));
-                if (!seen) { /* keys of later rows, or below the row's window */
+                /* The keys row r sees: a contiguous run of the tile's slots. */
+                const int64_t pos = first_pos + (v0 + r) / per_kv;
+                const int64_t last = pos - base < n - 1 ? pos - base : n - 1;
+                const int64_t first = window > 0 && pos - window + 1 - base > 0
+                                          ? pos - window + 1 - base : 0;
+                if (last < first) { /* keys of later rows, or below the row's window */
                     memset(p[h][r], 0, sizeof p[h][r]);
                     continue;
                 }
-                __m512 a[16];
-                for (int j = 0; j < 16; j++) { /* slots past n: in the block, masked below */
-                    const T *k = kb + j * key_row;
-                    __m512 s = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < head_dim / QLANES; c++) {
-#if DOT_BF16
-                        __m512bh kk;
-                        memcpy(&kk, k + QLANES * c, sizeof kk);
-                        s = _mm512_dpbf16_ps(s, qv[h][r][c], kk);
-#else
-                        s = _mm512_fmadd_ps(qv[h][r][c], LOAD16(k + QLANES * c), s);
-#endif
-                    }
-                    a[TILE_SLOT[j]] = s;
-                }
-                __m512 scores = sum16(a);
-#if DOT_BF16
-                scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
-#endif
-                const float top = _mm512_mask_reduce_max_ps(seen, scores);
-                const float alpha = raise_max(&run_max[h][r], top);
-                const __m512 max = _mm512_set1_ps(run_max[h][r]);
-                const __m512 shifted = _mm512_maskz_sub_ps(seen, scores, max);
-                const __m512 e = _mm512_maskz_mov_ps(seen, exp16(shifted));
-                run_sum[h][r] = run_sum[h][r] * alpha + _mm512_reduce_add_ps(e);
-                _mm512_storeu_ps(p[h][r], e);
+                v16 part[16]; /* rows past n repeat row n - 1, masked below */
+#pragma GCC unroll 16
+                for (int64_t j = 0; j < 16; j++)
+                    part[TILE_SLOT[j]] =
+                        NAME(partial_dot)(qv[h][r], krow[j] + h * head_dim, head_dim, dot);
+                v16 s = sum16(part);
+                if (dot) s *= splat(a->scale);
+                if (a->softcap > 0.0f)
+                    for (int j = 0; j < 16; j++) s[j] = a->softcap * tanhf(s[j] / a->softcap);
+                s = select16((IOTA >= splat(first)) & (IOTA <= splat(last)), s, splat(-INFINITY));
+                const float alpha = raise_max(&run_max[h][r], hmax(s));
+                const v16 e = exp16(s - splat(run_max[h][r]));
+                run_sum[h][r] = run_sum[h][r] * alpha + hsum(e);
+                memcpy(p[h][r], &e, sizeof e);
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < head_dim; d++) acc[h][r][d] *= alpha;
             }
-            for (int64_t r0 = 0; r0 < nv; r0 += 4) {
+            const T *vh[16];
+            for (int64_t j = 0; j < n; j++) vh[j] = vrow[j] + h * head_dim;
+            for (int64_t r0 = 0; r0 < nv; r0 += VALUE_VECTORS) {
                 float *a0 = acc[h][r0];
                 const float *p0 = p[h][r0];
-                switch (nv - r0 < 4 ? nv - r0 : 4) {
-                case 1: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 1); break;
-                case 2: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 2); break;
-                case 3: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 3); break;
-                default: NAME(tile_values)(a0, p0, vb, key_row, n, head_dim, 4); break;
+                switch (nv - r0 < VALUE_VECTORS ? nv - r0 : VALUE_VECTORS) {
+                case 1: NAME(tile_values)(a0, hp, p0, vh, n, head_dim, 1); break;
+#if VALUE_VECTORS > 2
+                case 2: NAME(tile_values)(a0, hp, p0, vh, n, head_dim, 2); break;
+                case 3: NAME(tile_values)(a0, hp, p0, vh, n, head_dim, 3); break;
+#endif
+                default: NAME(tile_values)(a0, hp, p0, vh, n, head_dim, VALUE_VECTORS); break;
                 }
             }
         }
+        const T *(*swap)[16] = cur;
+        cur = next, next = swap, ready = m > 0;
     }
     for (int64_t h = 0; h < n_kv; h++)
         for (int64_t r = 0; r < nv; r++) {
-            const int64_t vec = v0 + r, row = vec / per_kv;
-            T *dst = out + (q0 + row) * o_tok + ((kv0 + h) * per_kv + vec % per_kv) * o_head;
+            const int64_t vec = v0 + r, head = (kv0 + h) * per_kv + vec % per_kv;
+            T *dst = a->out + (q0 + vec / per_kv) * a->o_tok + head * a->o_head;
             const float inv = run_sum[h][r] > 0.0f ? 1.0f / run_sum[h][r] : 0.0f;
             for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[h][r][d] * inv);
         }
 }
-#undef QLANES
-#undef QREG
-#define TILES(D)                                                                             \
-    NAME(attend_tiles)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0, \
-                       first_pos, per_kv, kv0, n_kv, v0, nv, key_row, block_stride, D,          \
-                       block_size, scale, window)
-#endif
 
-#define ATTEND(D)                                                                            \
-    NAME(attend_vectors)(q, q_tok, q_head, key_cache, value_cache, out, o_tok, o_head, table, q0,  \
-                   first_pos, per_kv, kv, v0, nv, key_row, block_stride, D, block_size, scale, \
-                   window, softcap, q8)
+#define TILES(D) NAME(attend_tiles)(&a, table, q0, first_pos, kv0, n_kv, v0, nv, D)
 
-static int NAME(paged_attention)(
-    const T *q, int64_t q_tok, int64_t q_head,
-    const T *key_cache, const T *value_cache, int64_t block_stride,
-    T *out, int64_t o_tok, int64_t o_head,
-    const int32_t *tables, int64_t table_stride,
-    const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
-    int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, float softcap, int tiles, const Q8 *q8) {
-    if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0 ||
-        num_heads % num_kv_heads != 0)
-        return -1;
-    const int64_t per_kv = num_heads / num_kv_heads;
-    const int64_t key_row = num_kv_heads * head_dim; /* floats between two slots */
-    /* Sequences spread over the process's OpenMP threads (torch's own pool: see
-     * native_backend.py), taken one at a time as each thread finishes its last. */
-#pragma omp parallel for schedule(dynamic, 1) if (n_seqs > 1)
-    for (int64_t si = 0; si < n_seqs; si++) {
-        const int64_t s = seqs[si];
-        const int64_t q0 = query_start_loc[s];
-        const int64_t n_rows = (int64_t)query_start_loc[s + 1] - q0;
-        const int64_t n_keys = seq_lens[s];
-        if (n_rows <= 0 || n_keys <= 0) continue;
-        const int32_t *table = tables + s * table_stride;
-        const int64_t first_pos = n_keys - n_rows;
-        const int64_t n_vectors = n_rows * per_kv;
-#if HAVE_AVX512
-        if (tiles && !q8 && softcap <= 0.0f && block_size % 16 == 0 && head_dim % 32 == 0) {
-            for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS)
-                for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += TILE_KV_HEADS) {
-                    const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
-                    const int64_t left = num_kv_heads - kv0;
-                    const int64_t n_kv = left < TILE_KV_HEADS ? left : TILE_KV_HEADS;
-                    switch (head_dim) {
-                    case 64: TILES(64); break;
-                    case 128: TILES(128); break;
-                    default: TILES(head_dim); break;
-                    }
-                }
-            continue;
-        }
-#endif
-        for (int64_t kv = 0; kv < num_kv_heads; kv++)
-            for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS) {
-                const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
-                switch (head_dim) {
-                case 16: ATTEND(16); break;
-                case 32: ATTEND(32); break;
-                case 64: ATTEND(64); break;
-                case 128: ATTEND(128); break;
-                default: ATTEND(head_dim); break;
-                }
-            }
-    }
-    return 0;
-}
-
+/* Attention of the sequences seqs[0 .. n_seqs) (0, or -1: shapes beyond the kernel). */
 int NAME(expeditor_paged_attention)(
     const T *q, int64_t q_tok, int64_t q_head,
-    const T *key_cache, const T *value_cache, int64_t block_stride,
-    T *out, int64_t o_tok, int64_t o_head,
-    const int32_t *tables, int64_t table_stride,
-    const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
-    int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, float softcap, int tiles) {
-    return NAME(paged_attention)(q, q_tok, q_head, key_cache, value_cache, block_stride, out,
-                                 o_tok, o_head, tables, table_stride, seq_lens, query_start_loc,
-                                 seqs, n_seqs, num_heads, block_size, num_kv_heads, head_dim,
-                                 scale, window, softcap, tiles, 0);
-}
-
-/* The same over an int8 cache (Q8's layout): each block's rows of a KV head are
- * dequantized into float32 once per query group, then attended as a float32 cache is. */
-int NAME(expeditor_paged_attention_q8)(
-    const T *q, int64_t q_tok, int64_t q_head,
-    const int8_t *key_codes, const int8_t *value_codes, int64_t code_stride,
+    const void *key_cache, const void *value_cache, int64_t block_stride,
     const uint16_t *key_scales, const uint16_t *value_scales, int64_t scale_stride,
     T *out, int64_t o_tok, int64_t o_head,
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
     int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, float softcap) {
-    const Q8 q8 = {key_codes, value_codes, key_scales, value_scales, code_stride, scale_stride};
-    return NAME(paged_attention)(q, q_tok, q_head, 0, 0, 0, out, o_tok, o_head, tables,
-                                 table_stride, seq_lens, query_start_loc, seqs, n_seqs,
-                                 num_heads, block_size, num_kv_heads, head_dim, scale, window,
-                                 softcap, 0, &q8);
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    const NAME(Args) a = {
+        q, key_cache, value_cache, key_scales, value_scales, out, tables, seq_lens,
+        query_start_loc, q_tok, q_head, o_tok, o_head, block_stride, scale_stride,
+        table_stride, block_size, num_kv_heads, num_heads / num_kv_heads,
+        num_kv_heads * head_dim, window, scale, softcap};
+    /* Sequences spread over the process's OpenMP threads (torch's own pool: see
+     * native_backend.py), taken one at a time as each thread finishes its last. */
+#pragma omp parallel for schedule(dynamic, 1) if (n_seqs > 1)
+    for (int64_t si = 0; si < n_seqs; si++) {
+        const int64_t s = seqs[si], q0 = query_start_loc[s];
+        const int64_t n_rows = (int64_t)query_start_loc[s + 1] - q0, n_keys = seq_lens[s];
+        if (n_rows <= 0 || n_keys <= 0) continue;
+        const int32_t *table = tables + s * table_stride;
+        const int64_t first_pos = n_keys - n_rows, n_vectors = n_rows * a.per_kv;
+        for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS)
+            for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += TILE_KV_HEADS) {
+                const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
+                const int64_t n_kv =
+                    num_kv_heads - kv0 < TILE_KV_HEADS ? num_kv_heads - kv0 : TILE_KV_HEADS;
+                switch (head_dim) {
+                case 64: TILES(64); break;
+                case 128: TILES(128); break;
+                default: TILES(head_dim); break;
+                }
+            }
+    }
+    return 0;
 }
 
 /* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
 void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T *v,
-                            int64_t v_tok, int64_t v_head, T *key_cache,
-                            T *value_cache, int64_t block_stride, const int64_t *slots,
-                            int64_t n_tokens, int64_t block_size, int64_t num_kv_heads,
-                            int64_t head_dim) {
+                              int64_t v_tok, int64_t v_head, T *key_cache, T *value_cache,
+                              int64_t block_stride, const int64_t *slots, int64_t n_tokens,
+                              int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
     const int64_t key_row = num_kv_heads * head_dim;
     for (int64_t t = 0; t < n_tokens; t++) {
         const int64_t slot = slots[t];
@@ -710,6 +511,5 @@ void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T
     }
 }
 
-#undef ATTEND
 #undef TILES
 #endif /* T */

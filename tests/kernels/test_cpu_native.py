@@ -123,7 +123,7 @@ def add_trailing(meta: attention.StepMetadata, layers: list[Tensor], n: int) -> 
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 32])
-# 20 takes the kernel's scalar loops, 136 a 64-column tail of its vector ones
+# 20 and 136 end in a partial vector (136: past the kernel's 64 value columns at a time)
 @pytest.mark.parametrize("head_dim", [16, 20, 24, 32, 64, 128, 136])
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (4, 2), (2, 4), (1, 8)])
 def test_mixed_steps_match_reference(
@@ -439,9 +439,9 @@ def test_the_portable_and_avx2_builds_match_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tune: tuple[str, ...],
     features: tuple[str, ...],
 ) -> None:  # fmt: skip
-    """Built without ``-march=native`` (x86-64's baseline has no AVX2), the kernel runs its
-    plain C loops; built without AVX-512, its AVX2 loops: the same results, windows and
-    soft-capping too."""
+    """Built without ``-march=native`` (x86-64's baseline: SSE vectors) and without
+    AVX-512 (AVX2 vectors), the kernel gives the same results, windows and soft-capping
+    too."""
     if tune and not {"avx2", "fma"} <= CPU_FLAGS:
         pytest.skip("the CPU has no AVX2")
     monkeypatch.setattr(native_backend, "TUNE", tune)
@@ -456,10 +456,10 @@ def test_the_portable_and_avx2_builds_match_reference(
 
 @pytest.mark.skipif("avx512f" not in CPU_FLAGS, reason="the CPU has no AVX-512")
 def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:
-    """``-march=native`` on an AVX-512 CPU builds the tiles (and the bf16 dot products
-    where the CPU has AVX-512 BF16): the other tests then run them."""
+    """``-march=native`` on an AVX-512 CPU builds its vectors as AVX-512 registers (and
+    the bf16 dot products where the CPU has AVX-512 BF16): the other tests then run them."""
     kernels = native_backend._loaded(torch.bfloat16)
-    assert isinstance(kernels, NativeKernels) and kernels.tiles
+    assert isinstance(kernels, NativeKernels)
     bf16 = ("avx512_bf16",) if "avx512_bf16" in CPU_FLAGS else ()
     assert kernels.features == ("avx2", "avx512", *bf16, "openmp")
 

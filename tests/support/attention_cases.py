@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -207,22 +206,17 @@ def planned(
 
 def backend_for(name: str, kv: torch.Tensor, num_heads: int) -> attention.AttentionBackend:
     """The named backend for caches like ``kv`` ([blocks, layers, 2, block_size, kv_heads,
-    head_dim]) and ``num_heads`` query heads, as the chooser makes it; ``native-vectors``:
-    the native kernel with its AVX-512 tiles off (its vector-at-a-time loops)."""
+    head_dim]) and ``num_heads`` query heads, as the chooser makes it."""
     layout = SimpleNamespace(
         num_layers=kv.shape[1], num_kv_heads=kv.shape[4], head_dim=kv.shape[5],
         block_size=kv.shape[3], dtype=kv.dtype, kv_dtype=None,
     )  # fmt: skip
-    kind = name.removesuffix("-vectors")
     env = {"native": {}, "torch": {"EXPEDITOR_NATIVE_CPU": "0"}}
     backend, _ = attention.choose_backend(
-        torch.device("cpu"), layout, num_heads, env.get(kind, {"EXPEDITOR_FORCE_TRITON": "1"})
+        torch.device("cpu"), layout, num_heads, env.get(name, {"EXPEDITOR_FORCE_TRITON": "1"})
     )
-    if backend.name != kind:
-        pytest.skip(f"no {kind} backend here")
-    if name == "native-vectors":  # a copy: the loaded kernels are shared
-        kernels = backend.kernels = copy.copy(backend.kernels)  # type: ignore[attr-defined]
-        kernels.tiles = False
+    if backend.name != name:
+        pytest.skip(f"no {name} backend here")
     return backend
 
 
