@@ -106,6 +106,15 @@ def simulate(
             "(free_out_of_window_blocks); 0 = every layer reads the whole context.",
         ),
     ] = 0,
+    kv_groups: Annotated[
+        str,
+        typer.Option(
+            help="The fake model's layer groups, a window each (0: full attention), "
+            "comma-separated, e.g. 0,256 (as a worker's hello says for a model that "
+            "mixes windowed and full layers): a table holds every group's blocks, the "
+            "windowed groups' given back behind the window; empty = one group.",
+        ),
+    ] = "",
     *,
     config_overrides: dict[str, Any],
 ) -> None:
@@ -130,6 +139,15 @@ def simulate(
             handle.write(json.dumps(record, separators=(",", ":")) + "\n")
 
         close = handle.close
+    try:
+        groups = tuple(int(w) for w in kv_groups.split(",")) if kv_groups.strip() else ()
+    except ValueError:
+        fail(f"--kv-groups {kv_groups!r}: comma-separated windows (integers), e.g. 0,256")
+    if len(groups) == 1 or any(w < 0 for w in groups) or (groups and kv_window):
+        fail(
+            f"--kv-groups {kv_groups!r}: at least two windows, none negative, and not "
+            "with --kv-window (a one-group cache)"
+        )
     sim = Simulation(
         requests,
         cfg,
@@ -138,6 +156,7 @@ def simulate(
         check_invariants=check_invariants,
         proposal_acceptance=proposal_acceptance,
         kv_window=kv_window,
+        kv_groups=groups,
     )
     try:
         result = sim.run(on_step)

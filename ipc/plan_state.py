@@ -146,10 +146,13 @@ class ScheduledSeq:
 
 class WorkerState:
     """Every sequence a worker holds, updated plan by plan (``block_size``: tokens per
-    KV block, by which a speculating sequence's table is cut back after its step)."""
+    KV block, by which a speculating sequence's table is cut back after its step;
+    ``num_groups``: layer groups whose blocks a table holds side by side, see
+    :mod:`scheduler_svc.core.kv_groups`)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.seqs: dict[str, WorkerSeq] = {}
         self.params: dict[str, tuple[SamplingParams, int]] = {}
         """Request id -> its sampling parameters and how many held sequences use them."""
@@ -301,4 +304,4 @@ class WorkerState:
             seq.token_ids.extend(tokens)
             seq.num_computed_tokens = len(seq.token_ids) - 1
             keep = -(-seq.num_computed_tokens // self.block_size)  # blocks it fills
-            del seq.block_ids[keep:]
+            del seq.block_ids[keep * self.num_groups :]

@@ -168,20 +168,24 @@ class FakeWorker:
         verify_kv: bool = True,
         drafter: Drafter | None = None,
         window: int = 0,
+        groups: tuple[int, ...] = (),
     ) -> None:
         """``drafter``: drafts the plans' ``draft_lengths`` (speculation drafted on the
         worker, as a draft model does); ``window``: every layer reads only the keys
         after position - window (a sliding window; the scheduler's ``kv_window``), so
-        only those are verified, and the null block (the last) must never be written."""
+        only those are verified, and the null block (the last) must never be written;
+        ``groups``: the cache holds layer groups (their windows), each table their
+        blocks side by side (:mod:`scheduler_svc.core.kv_groups`): every group stores
+        each token, and a windowed group's keys are verified within its window only."""
         self.model = model
         self.drafter = drafter
         self.block_size = block_size
         self.verify_kv = verify_kv
-        self.window = window
-        self.null_block = num_gpu_blocks - 1 if window else None
+        self.groups = groups or (window,)
+        self.null_block = num_gpu_blocks - 1 if any(self.groups) else None
         self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
         self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
-        self.state = WorkerState(block_size)
+        self.state = WorkerState(block_size, len(self.groups))
         self.swapped_blocks = 0
 
     @property
@@ -193,9 +197,9 @@ class FakeWorker:
         bs = self.block_size
         dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
 
-    def _slot(self, seq: WorkerSeq, position: int) -> int:
+    def _slot(self, seq: WorkerSeq, position: int, group: int = 0) -> int:
         bs = self.block_size
-        index = position // bs
+        index = position // bs * len(self.groups) + group
         if index >= len(seq.block_ids):
             raise WorkerStateError(f"position {position} beyond the block table {seq.block_ids}")
         return seq.block_ids[index] * bs + position % bs
@@ -214,10 +218,11 @@ class FakeWorker:
         # Forward: store every new token's K/V, then let attention read the contexts.
         for item in batch:
             for position in item.positions:
-                slot = self._slot(item.seq, position)
-                if slot // self.block_size == self.null_block:
-                    raise WorkerStateError(f"position {position} stored in the null block")
-                self.gpu_kv[slot] = item.seq.token_ids[position]
+                for group in range(len(self.groups)):
+                    slot = self._slot(item.seq, position, group)
+                    if slot // self.block_size == self.null_block:
+                        raise WorkerStateError(f"position {position} stored in the null block")
+                    self.gpu_kv[slot] = item.seq.token_ids[position]
         if self.verify_kv:
             for item in batch:
                 self._verify(item.seq, item.start, item.end)
@@ -256,11 +261,13 @@ class FakeWorker:
     def _verify(self, seq: WorkerSeq, start: int, context_len: int) -> None:
         """The keys the step's queries (positions ``start..context_len-1``) read."""
         kv = self.gpu_kv
-        first = max(0, start - self.window + 1) if self.window else 0
-        for position in range(first, context_len):
-            held = kv[self._slot(seq, position)]
-            if held != seq.token_ids[position]:
-                raise WorkerStateError(
-                    f"{seq.request_id}/{seq.sample_index}: KV at position {position} holds "
-                    f"token {held}, expected {seq.token_ids[position]} (blocks {seq.block_ids})"
-                )
+        for group, window in enumerate(self.groups):
+            first = max(0, start - window + 1) if window else 0
+            for position in range(first, context_len):
+                held = kv[self._slot(seq, position, group)]
+                if held != seq.token_ids[position]:
+                    raise WorkerStateError(
+                        f"{seq.request_id}/{seq.sample_index}: KV at position {position} "
+                        f"(group {group}) holds token {held}, expected "
+                        f"{seq.token_ids[position]} (blocks {seq.block_ids})"
+                    )

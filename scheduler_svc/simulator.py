@@ -122,6 +122,7 @@ class Simulation:
         proposal_acceptance: float | None = None,
         drafted: bool = False,
         kv_window: int = 0,
+        kv_groups: tuple[int, ...] = (),
     ) -> None:
         """``proposal_acceptance``: with ``num_speculative_tokens``, decodes propose
         through :class:`~scheduler_svc.fake_worker.FakeProposer`, whose tokens are the
@@ -129,7 +130,9 @@ class Simulation:
         ``drafted``: the fake worker drafts those tokens, as a draft model does (plans
         carry ``draft_lengths``), instead of the scheduler proposing them.
         ``kv_window``: the model's layers all read a sliding window of that many keys
-        (as a worker's hello says), so the scheduler releases blocks behind it."""
+        (as a worker's hello says), so the scheduler releases blocks behind it;
+        ``kv_groups``: the cache holds layer groups with these windows (0: full
+        attention), a table their blocks side by side (``scheduler_svc.core.kv_groups``)."""
         if drafted and proposal_acceptance is None:
             raise ValueError("drafted proposals need a proposal_acceptance")
         if config.num_gpu_blocks is None:
@@ -148,6 +151,7 @@ class Simulation:
             proposer=proposer,
             drafting=drafted,
             kv_window=kv_window,
+            kv_groups=kv_groups,
         )
         self.worker = FakeWorker(
             self.model,
@@ -157,6 +161,10 @@ class Simulation:
             verify_kv=verify_kv,
             drafter=proposer if drafted else None,
             window=self.scheduler.kv.window,
+            # The keys verified: a windowed group's window once its blocks are released.
+            groups=tuple(w if self.scheduler.kv.window else 0 for w in kv_groups)
+            if len(kv_groups) > 1
+            else (),
         )
         self.check = check_invariants
         self.engine = StepEngine(

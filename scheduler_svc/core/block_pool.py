@@ -57,6 +57,9 @@ class DeviceBlockPool:
         """Per cached block, the number of its registration (keys name parents by it)."""
         self.parent_hash: list[int | None] = [None] * num_blocks
         """Per cached block, its parent's content hash (None for a first block)."""
+        self.quiet = [False] * num_blocks
+        """Per cached block, whether it was cached without an event (a layer group's
+        copy of content its first group's block announces)."""
         self.events: KVEventLog | None = None
         """Where cache registrations and evictions are recorded, when they are
         (:meth:`scheduler_svc.core.kv_manager.KVCacheManager.record_events`)."""
@@ -172,10 +175,16 @@ class DeviceBlockPool:
         return None
 
     def cache(
-        self, block: int, block_hash: int, key: BlockKey, parent_hash: int | None = None
+        self,
+        block: int,
+        block_hash: int,
+        key: BlockKey,
+        parent_hash: int | None = None,
+        announce: bool = True,
     ) -> None:
         """Register a full block's content (``parent_hash``: the content hash of the
-        block before it); a second copy of known content stays private."""
+        block before it); a second copy of known content stays private. ``announce``:
+        record it in :attr:`events` (and its eviction later)."""
         if block_hash in self.cached or self.block_hash[block] is not None:
             return
         self.cached[block_hash] = block
@@ -184,7 +193,8 @@ class DeviceBlockPool:
         self.parent_hash[block] = parent_hash
         self.entry[block] = self._entries
         self._entries += 1
-        if self.events is not None:
+        self.quiet[block] = not announce
+        if self.events is not None and announce:
             self.events.stored("GPU", block_hash, parent_hash, key[1])
 
     def uncache(self, block: int) -> None:
@@ -195,7 +205,7 @@ class DeviceBlockPool:
         block_hash = self.block_hash[block]
         if self.cached.get(block_hash) == block:  # type: ignore[arg-type]
             del self.cached[block_hash]  # type: ignore[arg-type]
-            if self.events is not None:
+            if self.events is not None and not self.quiet[block]:
                 self.events.removed("GPU", block_hash)  # type: ignore[arg-type]
         self.block_hash[block] = None
         self.block_key[block] = None

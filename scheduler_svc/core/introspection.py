@@ -30,6 +30,7 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
         ("waiting", list(scheduler.waiting), SeqStatus.WAITING),
         ("swapped", list(scheduler.swapped), SeqStatus.SWAPPED),
     )
+    stride = scheduler.kv.num_groups
     constrained = sum(seq.constraint is not None for seq in scheduler.seqs.values())
     if constrained != scheduler.num_constrained:
         problems.append(f"{constrained} constrained sequences, counted {scheduler.num_constrained}")
@@ -41,9 +42,9 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
             if seq.status is not status:
                 problems.append(f"{seq.seq_id} is in {name} with status {seq.status.value}")
             released = seq.num_released
-            for block in seq.block_table[released:]:
+            for block in _held(scheduler, seq):
                 refs[block] += 1
-            if released:
+            if released or (stride > 1 and scheduler.kv.window and seq.block_table):
                 problems += _released_problems(scheduler, seq)
             cpu_held.extend(seq.cpu_block_table)
             proposed = proposed_in_flight.get(seq.seq_id, 0)
@@ -52,7 +53,7 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
             if seq.num_placeholders and not scheduler.inflight:
                 problems.append(f"{seq.seq_id}: placeholders with no step in flight")
             if status is SeqStatus.RUNNING:
-                needed = -(-seq.num_computed_tokens // scheduler.block_size)
+                needed = -(-seq.num_computed_tokens // scheduler.block_size) * stride
                 if len(seq.block_table) != needed:
                     problems.append(
                         f"{seq.seq_id}: {len(seq.block_table)} blocks for "
@@ -83,25 +84,40 @@ def check_invariants(scheduler: Scheduler) -> list[str]:
 
 
 def _released_problems(scheduler: Scheduler, seq: Sequence) -> list[str]:
-    """What is wrong with ``seq``'s released entries (sliding windows)."""
+    """What is wrong with ``seq``'s released entries (sliding windows): the right ones
+    name the null block, and only they."""
     kv = scheduler.kv
     released = seq.num_released
     problems = []
-    if not kv.window:
+    if released and not kv.window:
         problems.append(f"{seq.seq_id}: {released} blocks released with no window")
-    if seq.status is SeqStatus.WAITING:
+    if released and seq.status is SeqStatus.WAITING:
         problems.append(f"{seq.seq_id}: {released} blocks released while waiting")
-    elif released > (seq.num_computed_tokens - kv.window + 1) // scheduler.block_size:
+    elif released and released > (seq.num_computed_tokens - kv.window + 1) // scheduler.block_size:
         problems.append(
             f"{seq.seq_id}: {released} blocks released, some still in the window of "
             f"{seq.num_computed_tokens} computed tokens"
         )
-    table = seq.block_table
-    if any(b != kv.null_block for b in table[:released]):
-        problems.append(f"{seq.seq_id}: a released entry names a block")
-    if kv.null_block in table[released:]:
-        problems.append(f"{seq.seq_id}: the null block among its held blocks")
+    table, null = seq.block_table, kv.null_block
+    # Per entry, whether it is released: a windowed group's of a released block.
+    windowed = set(getattr(kv, "windowed", (0,)))
+    stride = kv.num_groups
+    for index, block in enumerate(table):
+        if (index // stride < released and index % stride in windowed) != (block == null):
+            what = "a released entry names a block" if block != null else "the null block held"
+            problems.append(f"{seq.seq_id}: {what} (entry {index} of {table})")
+            break
+    if seq.released_width != len(windowed):
+        problems.append(f"{seq.seq_id}: released width {seq.released_width}, not {len(windowed)}")
     return problems
+
+
+def _held(scheduler: Scheduler, seq: Sequence) -> list[int]:
+    """The device blocks ``seq``'s table holds (its entries but the released ones)."""
+    if scheduler.kv.num_groups == 1:
+        return seq.block_table[seq.num_released :]
+    null = scheduler.kv.null_block
+    return [block for block in seq.block_table if block != null]
 
 
 def snapshot(scheduler: Scheduler) -> SchedulerSnapshot:

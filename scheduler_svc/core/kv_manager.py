@@ -42,6 +42,9 @@ class KVCacheManager:
         window: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.num_groups = 1
+        """Layer groups whose blocks a table holds side by side (more than one:
+        :mod:`scheduler_svc.core.kv_groups`)."""
         self.window = window if num_gpu_blocks > 1 else 0
         """Keys every layer reads at most back from a query's position (0: some layer
         reads the whole context): blocks further back are released (:meth:`slide`)."""
@@ -317,22 +320,22 @@ class KVCacheManager:
             need += 1
         return need + reserve <= self.pool.num_free
 
-    def append(self, seq: Sequence, num_new: int) -> tuple[list[int], CopyOnWrite | None]:
+    def append(self, seq: Sequence, num_new: int) -> tuple[list[int], tuple[CopyOnWrite, ...]]:
         """Make room for ``num_new`` tokens after the computed ones.
 
         Returns the appended blocks and, when the first written block was shared, the
-        copy-on-write that gives ``seq`` its own copy.
+        copy-on-write that gives ``seq`` its own copy (none: empty).
         """
         table = seq.block_table
         pool = self.pool
-        cow = None
+        cows: tuple[CopyOnWrite, ...] = ()
         if pool.num_shared and self._needs_cow(seq):
             index = seq.num_computed_tokens // self.block_size
             shared = table[index]
             (private,) = pool.allocate(1)
             pool.release((shared,))
             table[index] = private
-            cow = (index, shared, private)
+            cows = ((index, shared, private),)
         end = seq.num_computed_tokens + num_new
         need = -(-end // self.block_size) - len(table)
         if need > 0:
@@ -345,7 +348,7 @@ class KVCacheManager:
             known = min(end, len(seq.token_ids))
             if known // self.block_size > seq.num_cached_blocks:
                 self.cache_full_blocks(seq, known)
-        return appended, cow
+        return appended, cows
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (n>1 samples of one prompt)."""
@@ -397,8 +400,12 @@ class KVCacheManager:
 
     # -- swap -----------------------------------------------------------------------------
 
+    def num_held(self, seq: Sequence) -> int:
+        """Device blocks ``seq`` holds (its table less the released entries)."""
+        return len(seq.block_table) - seq.num_released
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < seq.num_device_blocks <= self.cpu_pool.num_free
+        return 0 < self.num_held(seq) <= self.cpu_pool.num_free
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move ``seq``'s blocks to the CPU pool; returns (device, cpu) copies. Released

@@ -176,6 +176,7 @@ class Sequence(_SequenceHotFields):
         "num_preemptions",
         "num_prompt_tokens",
         "num_released",
+        "released_width",
         "request",
         "sample_index",
     )
@@ -208,6 +209,9 @@ class Sequence(_SequenceHotFields):
         self.num_released = 0
         """Leading entries of ``block_table`` released because every layer's sliding
         window has passed them (they name the null block, see ``KVCacheManager.slide``)."""
+        self.released_width = 1
+        """Table entries a released block stands for: 1, or in a table of layer groups
+        the windowed groups' (:mod:`scheduler_svc.core.kv_groups`)."""
         self.status = SeqStatus.WAITING
         self.key = key
         """Queue order (smaller runs first); static, see ``policies``."""
@@ -244,7 +248,7 @@ class Sequence(_SequenceHotFields):
     @property
     def num_device_blocks(self) -> int:
         """Device blocks the sequence holds (its table less the released entries)."""
-        return len(self.block_table) - self.num_released
+        return len(self.block_table) - self.num_released * self.released_width
 
     @property
     def slots_needed(self) -> int:

@@ -43,6 +43,7 @@ from ipc.schema import (
 from scheduler_svc.core.admission import check_request
 from scheduler_svc.core.cache_aware import CacheAwareAdmission
 from scheduler_svc.core.ending import SequenceEnding
+from scheduler_svc.core.kv_groups import GroupedKVCacheManager
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.policies import (
     FairShareRounds,
@@ -85,7 +86,11 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         proposer: Proposer | None = None,
         drafting: bool = False,
         kv_window: int = 0,
+        kv_groups: tuple[int, ...] = (),
     ) -> None:
+        """``kv_window``: every layer reads at most that many keys back (0: some layer
+        reads the whole context); ``kv_groups``: the workers' cache holds layer groups
+        side by side, each group's window (:mod:`scheduler_svc.core.kv_groups`)."""
         if config.num_gpu_blocks is None:
             raise ValueError("the scheduler needs num_gpu_blocks (from config or the workers)")
         self.config = config
@@ -107,14 +112,32 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         """Whether the last plan let decodes propose (then nothing is planned ahead)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.kv = KVCacheManager(
-            block_size=config.block_size,
-            num_gpu_blocks=config.num_gpu_blocks,
-            num_cpu_blocks=config.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=config.prefix_cache_cpu_blocks,
-            window=kv_window if config.free_out_of_window_blocks else 0,
-        )
+        self.kv: KVCacheManager
+        self.notes: list[str] = []
+        """What the scheduler set aside of its configuration, and why (logged)."""
+        if len(kv_groups) > 1:
+            self.kv = GroupedKVCacheManager(
+                block_size=config.block_size,
+                num_gpu_blocks=config.num_gpu_blocks,
+                num_cpu_blocks=config.num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                groups=tuple(kv_groups),
+                release=config.free_out_of_window_blocks,
+            )
+            if config.prefix_cache_cpu_blocks:
+                self.notes.append(
+                    "prefix_cache_cpu_blocks ignored: the prefix cache has no host tier "
+                    f"for a cache of layer groups ({list(kv_groups)})"
+                )
+        else:
+            self.kv = KVCacheManager(
+                block_size=config.block_size,
+                num_gpu_blocks=config.num_gpu_blocks,
+                num_cpu_blocks=config.num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_host_blocks=config.prefix_cache_cpu_blocks,
+                window=kv_window if config.free_out_of_window_blocks else 0,
+            )
         self.order = make_queue_order(config)
         self.fair_share = FairShareRounds()
         """Fair-share rounds of the clients with unfinished requests, kept either way;
@@ -130,7 +153,10 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         self.victims = VictimPolicy(config.max_preemptions)
         self.cost_model = PreemptionCostModel.from_config(config, kv_bytes_per_block)
         self.watermark_blocks = config.watermark_blocks(self.kv.pool.num_blocks)
-        self.capacity_blocks = self.kv.pool.num_blocks - self.watermark_blocks
+        self.capacity_blocks = (self.kv.pool.num_blocks - self.watermark_blocks) // (
+            self.kv.num_groups
+        )
+        """Blocks of a table (logical blocks of a grouped one) the cache admits at most."""
 
         self.waiting = SeqQueue()
         self.swapped = SeqQueue()
@@ -318,6 +344,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         ref_cnt = pool.ref_cnt
         last_slot = bs - 1
         window = kv.window
+        stride = kv.num_groups  # device blocks a table's logical block takes
+        single = stride == 1  # decodes may take the inlined path below
         num_scheduled = step.num_scheduled
         sampling = step.sampling
         index = 0
@@ -342,10 +370,10 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             ):
                 budget -= step.num_scheduled[seq.seq_id]
                 if seq.num_computed_tokens % bs == 0:
-                    growth_reserve += 1
+                    growth_reserve += stride
                 index += 1
                 continue
-            if num_new == 1 and seq.on_worker and not seq.pending_forks:
+            if num_new == 1 and seq.on_worker and not seq.pending_forks and single:
                 # A decode (the common case) without kv.append / InflightStep.add: one
                 # inside its own partial block changes nothing; one that opens a block
                 # takes one; one that fills its block (or opens the next) registers the
@@ -381,7 +409,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 self._schedule_seq(seq, num_new, step)
                 budget -= num_new
                 if seq.num_computed_tokens % bs == 0:
-                    growth_reserve += 1
+                    growth_reserve += stride
                 index += 1
 
         # Resume swapped and admit waiting sequences, in queue order, no overtaking.
@@ -536,8 +564,8 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
     def _schedule_seq(self, seq: Sequence, num_new: int, step: InflightStep) -> None:
         if self.kv.window:
             self._slide(seq, step)
-        appended, cow = self.kv.append(seq, num_new)
-        step.add(seq, num_new, appended, cow)
+        appended, cows = self.kv.append(seq, num_new)
+        step.add(seq, num_new, appended, cows)
         request = seq.request
         if request.first_scheduled_step is None:
             request.first_scheduled_step = self.step

@@ -251,10 +251,10 @@ class SpeculativeSteps:
         if proposal is not None and not proposal:
             return False
         num_new = 1 + (k if proposal is None else len(proposal))
-        if not self.kv.can_append(seq, num_new, self.watermark_blocks + later):
+        if not self.kv.can_append(seq, num_new, self.watermark_blocks + later * self.kv.num_groups):
             return False
-        appended, cow = self.kv.append(seq, num_new)
-        step.add(seq, num_new, appended, cow, proposal, 0 if proposal else k)
+        appended, cows = self.kv.append(seq, num_new)
+        step.add(seq, num_new, appended, cows, proposal, 0 if proposal else k)
         return True
 
     def _accept(

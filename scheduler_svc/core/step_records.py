@@ -141,21 +141,22 @@ class InflightStep:
         seq: Sequence,
         num_new: int,
         appended: list[int],
-        cow: CopyOnWrite | None,
+        cows: tuple[CopyOnWrite, ...],
         proposal: list[int] | None = None,
         drafted: int = 0,
     ) -> None:
         """Schedule ``num_new`` tokens of ``seq``, whose block table just grew by
-        ``appended`` and, on a copy-on-write, had entry ``cow[0]`` copied from block
-        ``cow[1]`` to ``cow[2]``: full data for a sequence the workers do not hold,
-        block-table changes for one they do. The tokens count as computed from here on;
-        one that reaches the end samples, and holds a placeholder until its result.
+        ``appended`` and, on each copy-on-write ``(index, source, private)`` of
+        ``cows``, had entry ``index`` copied from block ``source`` to ``private``: full
+        data for a sequence the workers do not hold, block-table changes for one they do.
+        The tokens count as computed from here on; one that reaches the end samples, and
+        holds a placeholder until its result.
         ``proposal``: the last ``len(proposal)`` of the ``num_new`` tokens are proposed
         ones (speculative decoding), known to the plan only; ``drafted``: the last
         ``drafted`` are the workers' draft model's, unknown until the result."""
         seq_id = seq.seq_id
-        if cow is not None:
-            self.copies.append((cow[1], cow[2]))
+        for _, source, private in cows:
+            self.copies.append((source, private))
         if not seq.on_worker:
             self.new_seqs.append(
                 NewSeq(
@@ -170,12 +171,12 @@ class InflightStep:
                 )
             )
             seq.on_worker = True
-        elif appended or cow is not None:
+        elif appended or cows:
             self.block_updates.append(
                 BlockUpdate(
                     seq_id=seq_id,
                     appended=appended,
-                    replaced=[] if cow is None else [(cow[0], cow[2])],
+                    replaced=[(index, private) for index, _, private in cows],
                 )
             )
         self.num_scheduled[seq_id] = num_new

@@ -3,28 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support.kv_cases import BS, decode, expected_refs, make_kv, make_seq
-
-from scheduler_svc.core.kv_manager import KVCacheManager
-from scheduler_svc.core.request import Sequence
-
-
-def make_child(parent: Sequence, sample_index: int) -> Sequence:
-    request = parent.request
-    child = Sequence(
-        request, sample_index, list(parent.token_ids), (0.0, request.arrival_seq, sample_index)
-    )
-    request.seqs.append(child)
-    return child
-
-
-def prefill(kv: KVCacheManager, seq: Sequence, hits: list[int] | None = None) -> None:
-    """Admit ``seq`` and compute its whole prompt in one step, as the scheduler would."""
-    hits = kv.find_prefix(seq) if hits is None else hits
-    kv.admit(seq, hits)
-    kv.append(seq, seq.num_tokens - seq.num_computed_tokens)
-    seq.num_computed_tokens = seq.num_tokens
-
+from support.kv_cases import BS, decode, expected_refs, make_child, make_kv, make_seq, prefill
 
 PROMPT10 = list(range(100, 110))
 PROMPT12 = list(range(200, 212))
@@ -149,9 +128,9 @@ def test_append_allocates_exactly_the_blocks_needed() -> None:
     kv = make_kv(num_gpu_blocks=8)
     seq = make_seq(list(range(1, 11)))
     kv.admit(seq, [])
-    appended, cow = kv.append(seq, 5)  # a first chunk of 5 tokens
+    appended, cows = kv.append(seq, 5)  # a first chunk of 5 tokens
     assert len(appended) == 2
-    assert cow is None
+    assert cows == ()
     assert seq.block_table == appended
     seq.num_computed_tokens = 5
     appended, _ = kv.append(seq, 3)  # fills block 1 exactly
@@ -222,10 +201,9 @@ def test_copy_on_write_on_a_shared_partial_last_block() -> None:
 
     assert kv.can_append(parent, 1, reserve=kv.pool.num_free - 1)
     assert not kv.can_append(parent, 1, reserve=kv.pool.num_free)
-    appended, cow = kv.append(parent, 1)
+    appended, cows = kv.append(parent, 1)
     assert appended == []
-    assert cow is not None
-    index, source, private = cow
+    ((index, source, private),) = cows
     assert (index, source) == (1, partial)
     assert private not in (full, partial)
     assert parent.block_table == [full, private]
@@ -234,8 +212,8 @@ def test_copy_on_write_on_a_shared_partial_last_block() -> None:
     assert kv.pool.ref_cnt[full] == 2
 
     # The last holder writes in place.
-    appended, cow = kv.append(child, 1)
-    assert (appended, cow) == ([], None)
+    appended, cows = kv.append(child, 1)
+    assert (appended, cows) == ([], ())
     assert child.block_table == [full, partial]
     assert kv.pool.check(expected_refs(kv, parent, child)) == []
 
@@ -254,10 +232,10 @@ def test_copy_on_write_with_three_samples() -> None:
         seq.token_ids.append(token)
         cows.append(kv.append(seq, 1)[1])
         seq.num_computed_tokens += 1
-    assert cows[0] is not None and cows[0][1] == shared
-    assert cows[1] is not None and cows[1][1] == shared
-    assert cows[2] is None
-    assert cows[0][2] != cows[1][2]
+    assert len(cows[0]) == len(cows[1]) == 1
+    assert cows[0][0][1] == cows[1][0][1] == shared
+    assert cows[2] == ()
+    assert cows[0][0][2] != cows[1][0][2]
     assert children[1].block_table[1] == shared
     assert kv.pool.check(expected_refs(kv, parent, *children)) == []
 
@@ -269,8 +247,8 @@ def test_no_copy_on_write_when_the_shared_prompt_ends_on_a_block_boundary() -> N
     child = make_child(parent, 1)
     kv.fork(parent, child)
     parent.token_ids.append(9)
-    appended, cow = kv.append(parent, 1)
-    assert cow is None
+    appended, cows = kv.append(parent, 1)
+    assert cows == ()
     assert len(appended) == 1
     assert parent.block_table[:2] == child.block_table
 

@@ -56,3 +56,20 @@ def expected_refs(kv: KVCacheManager, *seqs: Sequence) -> list[int]:
 
 
 _arrivals = itertools.count(1)
+
+
+def make_child(parent: Sequence, sample_index: int) -> Sequence:
+    request = parent.request
+    child = Sequence(
+        request, sample_index, list(parent.token_ids), (0.0, request.arrival_seq, sample_index)
+    )
+    request.seqs.append(child)
+    return child
+
+
+def prefill(kv: KVCacheManager, seq: Sequence, hits: list[int] | None = None) -> None:
+    """Admit ``seq`` and compute its whole prompt in one step, as the scheduler would."""
+    hits = kv.find_prefix(seq) if hits is None else hits
+    kv.admit(seq, hits)
+    kv.append(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens

@@ -1,0 +1,225 @@
+"""Tables of layer groups (``kv_groups``, :mod:`scheduler_svc.core.kv_groups`): a model
+mixing windowed and full-attention layers keeps its groups' blocks side by side in one
+table, the windowed groups' given back behind the window. The trace keeps every
+invariant and output under chunked prefill, prefix hits, swap, recompute, n>1, aborts,
+overlap and speculation while the fake worker stores every token in every group and
+checks each group's keys (a windowed group's within its window; nothing written to the
+null block); and the same memory holds more sequences than one table of whole blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.harness import BS, check_outputs
+from support.kv_cases import make_child, make_seq, prefill
+
+from scheduler_svc.core.kv_events import apply_events, external_hash
+from scheduler_svc.core.kv_groups import GroupedKVCacheManager
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.simulator import Simulation
+from scheduler_svc.traces import generate_trace
+from shared.config import SchedulerConfig
+
+WINDOW = 10
+"""Keys a windowed layer reads: ends inside a block of BS (4) tokens."""
+
+TRACE = generate_trace(
+    60,
+    seed=5,
+    prompt_len=(4, 60),
+    output_len=(1, 60),
+    arrival_rate=4.0,
+    n_choices=(1, 1, 3),
+    eos_fraction=0.3,
+    abort_fraction=0.1,
+    shared_prefixes=3,
+    shared_prefix_len=12,
+)
+
+
+def config(**fields: object) -> SchedulerConfig:
+    base: dict[str, object] = {
+        "block_size": BS,
+        "num_gpu_blocks": 128,
+        "num_cpu_blocks": 96,
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 160,
+        "watermark": 0.0,
+        "long_prefill_token_threshold": 16,
+    }
+    base.update(fields)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def simulate(
+    cfg: SchedulerConfig,
+    groups: tuple[int, ...],
+    *,
+    overlap: bool = False,
+    acceptance: float | None = None,
+):
+    sim = Simulation(
+        TRACE,
+        cfg,
+        verify_kv=True,
+        check_invariants=True,
+        overlap=overlap,
+        proposal_acceptance=acceptance,
+        kv_groups=groups,
+    )
+    result = sim.run()
+    check_outputs(sim, result)
+    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
+    return result
+
+
+@pytest.mark.parametrize("groups", [(0, WINDOW), (WINDOW, 0, WINDOW)])
+@pytest.mark.parametrize(
+    ("overlap", "mode"), [(False, "swap"), (True, "recompute"), (True, "swap")]
+)
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_trace_over_layer_groups_keeps_every_invariant_and_output(
+    groups: tuple[int, ...], overlap: bool, mode: str, caching: bool
+) -> None:
+    cfg = config(preemption_mode=mode, enable_prefix_caching=caching)
+    kept = simulate(config(preemption_mode=mode, enable_prefix_caching=caching,
+                           free_out_of_window_blocks=False), groups, overlap=overlap)  # fmt: skip
+    slid = simulate(cfg, groups, overlap=overlap)
+    assert kept.summary["released_blocks"] == 0
+    assert slid.summary["released_blocks"] > 100
+    assert kept.summary["preemptions"][mode] > 0  # the pool is tight for whole contexts
+    # The same pool runs the trace in fewer steps, preempting less.
+    assert slid.summary["steps"] < kept.summary["steps"]
+    assert sum(slid.summary["preemptions"].values()) < sum(kept.summary["preemptions"].values())
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.8])
+def test_layer_groups_and_speculative_proposals(acceptance: float) -> None:
+    """Rejected proposals give their tail blocks back in every group."""
+    result = simulate(
+        config(num_speculative_tokens=4), (0, WINDOW), overlap=True, acceptance=acceptance
+    )
+    assert result.summary["released_blocks"] > 100
+    assert result.summary["speculation"]["proposals"] > 0
+
+
+def test_the_same_memory_holds_more_sequences_than_whole_blocks() -> None:
+    """Two groups of one layer each against one table of two-layer blocks: twice the
+    blocks of half the bytes, and the windowed half given back."""
+    whole = Simulation(TRACE, config(num_gpu_blocks=64, num_cpu_blocks=48), verify_kv=True)
+    grouped = Simulation(TRACE, config(), verify_kv=True, kv_groups=(0, WINDOW))
+    one, two = whole.run(), grouped.run()
+    check_outputs(whole, one)
+    check_outputs(grouped, two)
+    assert two.summary["steps"] < one.summary["steps"]
+    assert sum(two.summary["preemptions"].values()) < sum(one.summary["preemptions"].values())
+
+
+def grouped_kv(num_gpu_blocks: int = 64, caching: bool = True) -> GroupedKVCacheManager:
+    return GroupedKVCacheManager(
+        block_size=BS,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=32,
+        enable_prefix_caching=caching,
+        groups=(0, 2 * BS + 2),
+    )
+
+
+def grow(kv: KVCacheManager, seq, num_new: int) -> list[int]:
+    released = kv.slide(seq)
+    kv.append(seq, num_new)
+    seq.num_computed_tokens += num_new
+    return released
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_long_sequence_holds_its_context_in_full_groups_and_the_window_in_others(
+    caching: bool,
+) -> None:
+    kv = grouped_kv(caching=caching)
+    window = kv.window
+    assert (kv.null_block, kv.pool.num_blocks, kv.windowed) == (63, 63, (1,))
+    seq = make_seq(list(range(100, 100 + 6 * window)))
+    kv.admit(seq, kv.find_prefix(seq))
+    grow(kv, seq, BS)
+    for _ in range(6 * window - BS):
+        released = grow(kv, seq, 1)
+        assert all(i % 2 == 1 for i in released)  # only the windowed group's entries
+        full, windowed = seq.block_table[0::2], seq.block_table[1::2]
+        assert kv.null_block not in full
+        held = [i for i, b in enumerate(windowed) if b != kv.null_block]
+        assert held[0] <= max(0, seq.num_computed_tokens - window + 1) // BS
+        assert len(held) <= -(-window // BS) + 2
+    blocks = len(seq.block_table) // 2
+    assert kv.num_held(seq) == seq.num_device_blocks == blocks + len(held)
+    assert seq.num_device_blocks <= blocks + 5
+    kv.free(seq)
+    assert kv.pool.num_free == kv.pool.num_blocks and seq.num_released == 0
+
+
+def test_a_prefix_hit_takes_every_groups_blocks_and_ends_where_one_is_gone() -> None:
+    kv = grouped_kv(num_gpu_blocks=40)
+    first = make_seq(list(range(1, 26)))  # 6 full blocks and one token
+    prefill(kv, first)
+    assert first.num_cached_blocks == 6
+    again = make_seq(list(range(1, 26)))
+    hits = kv.find_prefix(again)
+    assert hits == [tuple(first.block_table[2 * i : 2 * i + 2]) for i in range(6)]
+    # The same tokens' block of another group is not a hit: keys name the group.
+    assert len({b for pair in hits for b in pair}) == 12
+    kv.admit(again, hits)
+    assert again.num_computed_tokens == 6 * BS
+    assert again.block_table == first.block_table[:12]
+    kv.free(again)
+    # Released and evicted, the windowed group's early blocks end later hits there.
+    kv.slide(first)
+    assert first.num_released > 0
+    kv.free(first)
+    kv.pool.allocate(kv.pool.num_free)  # evict every cached block
+    assert kv.find_prefix(make_seq(list(range(1, 26)))) == []
+
+
+def test_copy_on_write_copies_each_groups_shared_block() -> None:
+    kv = grouped_kv()
+    parent = make_seq([1, 2, 3, 4, 5, 6], n=2)
+    prefill(kv, parent)
+    child = make_child(parent, 1)
+    kv.fork(parent, child)
+    shared = parent.block_table[2:4]
+    assert all(kv.pool.ref_cnt[b] == 2 for b in parent.block_table)
+    parent.token_ids.append(50)
+    assert kv.can_append(parent, 1, reserve=kv.pool.num_free - 2)
+    assert not kv.can_append(parent, 1, reserve=kv.pool.num_free - 1)
+    appended, cows = kv.append(parent, 1)
+    assert appended == []
+    assert [(index, source) for index, source, _ in cows] == [(2, shared[0]), (3, shared[1])]
+    assert parent.block_table[2:4] == [private for *_, private in cows]
+    child.token_ids.append(60)
+    assert kv.append(child, 1) == ([], ())  # the last holder writes in place
+
+
+def test_only_the_first_groups_blocks_are_announced() -> None:
+    kv = grouped_kv()
+    log = kv.record_events()
+    seq = make_seq(list(range(1, 14)))  # 3 full blocks
+    prefill(kv, seq)
+    assert len(kv.pool.cached) == 6
+    index: set[tuple[str, int]] = set()
+    apply_events(index, log.take())
+    announced = {("GPU", external_hash(h)) for h in seq.block_hashes[:3]}
+    assert index == announced
+    kv.free(seq)
+    kv.pool.allocate(kv.pool.num_free)  # evicts all six
+    events = log.take()
+    assert [e[0] for e in events] == ["removed"]
+    apply_events(index, events)
+    assert index == set()
+
+
+def test_groups_need_two_windows() -> None:
+    with pytest.raises(ValueError, match="at least two"):
+        GroupedKVCacheManager(
+            block_size=BS, num_gpu_blocks=8, num_cpu_blocks=0, enable_prefix_caching=True,
+            groups=(WINDOW,),
+        )  # fmt: skip
