@@ -13,10 +13,12 @@ long sequence holds beyond what its layers can read: what a per-layer-group allo
     .venv/bin/python benchmarks/sliding_window_memory.py --measure CHECKPOINT
 
 ``--measure`` runs a windowed checkpoint (e.g. ``expeditor make-tiny-model DIR --arch
-mistral``) in process, with ``free_out_of_window_blocks`` off and on, on requests whose
-contexts reach ``--context-multiple`` times its window through a fixed pool: what each
-sequence holds and what its layers read, counted from the scheduler at every step, and
-how many sequences ran at once.
+mistral``, or ``--arch gemma2`` for one that mixes windowed and full layers, whose
+cache is then laid out in layer groups) in process, with ``free_out_of_window_blocks``
+off and on, on requests whose contexts reach ``--context-multiple`` times its window
+through a fixed pool: what each sequence holds and what its layers read, counted from
+the scheduler at every step (in blocks of every layer), and how many sequences ran at
+once.
 
 The published layouts are the layer counts, layer patterns and windows from each
 model's config.json on the Hugging Face hub (facts; nothing is downloaded here).
@@ -84,7 +86,6 @@ def measure(checkpoint: Path, multiple: float, num_requests: int, num_blocks: in
     import torch
 
     from expeditor.llm import LLM
-    from gpu_worker.architectures import kv_window
     from shared.sampling import SamplingParams
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -109,22 +110,29 @@ def measure(checkpoint: Path, multiple: float, num_requests: int, num_blocks: in
             num_gpu_blocks=num_blocks, max_num_seqs=num_requests,
             free_out_of_window_blocks=free, enable_prefix_caching=False,
         )  # fmt: skip
-        assert kv_window(llm.runner.config) == window, "every layer must be windowed"
+        assert window and llm.scheduler.kv.window == (window if free else 0)
+        per_block = llm.runner.layout.num_layers / layers  # a block's share of the layers
         held = read = peak = 0
         final: list[tuple[int, int]] = []  # (held, read) of a sequence at its last step
         inner = llm.runner.execute
 
-        def execute(plan, llm=llm, inner=inner, final=final):  # type: ignore[no-untyped-def]
+        def execute(plan, llm=llm, inner=inner, final=final, per_block=per_block):  # type: ignore[no-untyped-def]
             nonlocal held, read, peak
             running = llm.scheduler.running
             peak = max(peak, len(running))
             for seq in running:
                 # After planning: the step's tokens count, its last query is at c - 1.
-                reads = read_blocks(seq.num_computed_tokens - 1, window)
-                held += seq.num_device_blocks
+                # In blocks of every layer: the full layers read every block so far.
+                last = seq.num_computed_tokens - 1
+                reads = (
+                    sliding * read_blocks(last, window)
+                    + (layers - sliding) * (last // BLOCK_SIZE + 1)
+                ) / layers
+                holds = seq.num_device_blocks * per_block
+                held += holds
                 read += reads
                 if seq.num_computed_tokens == context - 1:  # the last step it computes
-                    final.append((seq.num_device_blocks, reads))
+                    final.append((holds, reads))
             return inner(plan)
 
         llm.runner.execute = execute  # type: ignore[method-assign]
@@ -136,7 +144,7 @@ def measure(checkpoint: Path, multiple: float, num_requests: int, num_blocks: in
             f"  free_out_of_window_blocks={str(free).lower():<5}  at most {peak:>3} "
             f"sequences at once; held but unread: {100 * (1 - read / held):5.1f}% over the "
             f"run, {100 * (1 - last_read / last_held):5.1f}% at the {context}-token context "
-            f"({last_held:.1f} blocks held, {last_read:.0f} read)"
+            f"({last_held:.1f} blocks held, {last_read:.1f} read)"
         )
     print(
         f"  layout arithmetic at {context} tokens: "

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
+from gpu_worker.kv_cache import LayerGroups
+
 __all__ = ["SUPPORTED", "check_supported", "logits_fn"]
 
 SUPPORTED: dict[str, str] = {
@@ -97,6 +99,28 @@ def kv_window(config: PretrainedConfig) -> int:
     windowed (the largest window), else 0: what the scheduler may release behind."""
     windows = layer_windows(config)
     return max(windows) if windows and min(windows) > 0 else 0
+
+
+def layer_groups(config: PretrainedConfig) -> LayerGroups | None:
+    """The cache's layer groups for a model that mixes windowed and full-attention
+    layers (None for one that does not): the full layers in groups, then the windowed
+    ones, each group as many layers as the fewer kind has (the last of a kind padded
+    with unused slots), so every block holds the same bytes. A windowed group's window
+    is the largest of the model's."""
+    windows = layer_windows(config)
+    full = [layer for layer, window in enumerate(windows) if not window]
+    windowed = [layer for layer, window in enumerate(windows) if window]
+    if not full or not windowed:
+        return None
+    size = min(len(full), len(windowed))
+    groups: list[int] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(windows)
+    for members, window in ((full, 0), (windowed, max(windows))):
+        for start in range(0, len(members), size):
+            for slot, layer in enumerate(members[start : start + size]):
+                where[layer] = (len(groups), slot)
+            groups.append(window)
+    return LayerGroups(tuple(groups), tuple(where))
 
 
 def logits_fn(

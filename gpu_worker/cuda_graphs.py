@@ -95,6 +95,12 @@ def pad_step(
         out[name][at] = arrays[name]
     out["seq_lens"][:n] = arrays["seq_lens"] + (rows - counts)
     out["block_tables"][:n, : table.shape[1]] = table
+    if "group_tables" in arrays:  # a cache of layer groups: each group's, padded alike
+        tables = arrays["group_tables"]
+        out["group_tables"] = np.zeros((tables.shape[0], bucket, width), dtype=np.int32)
+        out["group_tables"][:, :n, : tables.shape[2]] = tables
+        out["group_slots"] = np.full((tables.shape[0], tokens), -1, dtype=np.int64)
+        out["group_slots"][:, at] = arrays["group_slots"]
     return out
 
 
@@ -125,9 +131,13 @@ class DecodeGraphs:
         rows: Iterable[int] = (1,),
         max_tokens: int | None = None,
         runs: Runs = lambda arrays: True,
+        num_groups: int = 1,
     ) -> None:
         """``rows``: the rows per sequence captured (1, and k + 1 for speculation);
-        ``max_tokens``: no shape of more tokens (``max_num_batched_tokens``)."""
+        ``max_tokens``: no shape of more tokens (``max_num_batched_tokens``);
+        ``num_groups``: layer groups whose tables and slots the steps carry
+        (``group_tables``, ``group_slots``: static inputs too)."""
+        self.num_groups = num_groups
         self.forward = forward
         self.plan = plan
         self.runs = runs
@@ -163,6 +173,9 @@ class DecodeGraphs:
                 "positions": np.zeros(0, dtype=np.int64),
                 "slot_mapping": np.zeros(0, dtype=np.int64),
             }
+            if self.num_groups > 1:
+                empty["group_tables"] = np.zeros((self.num_groups, 0, 1), dtype=np.int32)
+                empty["group_slots"] = np.zeros((self.num_groups, 0), dtype=np.int64)
             padded = pad_step(empty, shape[0], self.width, shape[1])
             del padded["rows"]
             static = {name: torch.from_numpy(a).to(self.device) for name, a in padded.items()}
@@ -202,8 +215,8 @@ class DecodeGraphs:
             return None
         sent = self.staging.to_device(padded)
         static = self._inputs[shape]
-        for name in INPUTS:
-            static[name].copy_(sent[name], non_blocking=True)
+        for name, tensor in static.items():  # INPUTS, and each layer group's
+            tensor.copy_(sent[name], non_blocking=True)
         self.graphs[shape].replay()
         self.replays += 1
         out = self._outputs[shape]

@@ -197,6 +197,10 @@ class WorkerDaemon:
             hello.num_gpu_blocks,
             f"; every layer windowed (kv_window {hello.kv_window}): blocks behind it go back"
             if hello.kv_window
+            else f"; layer groups (kv_groups {hello.kv_groups}, blocks of "
+            f"{hello.kv_block_layers[1]} of {hello.kv_block_layers[0]} layers): the windowed "
+            "groups' blocks behind the window go back"
+            if hello.kv_groups
             else "",
         )
         return self._serve_plans()

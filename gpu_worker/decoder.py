@@ -65,17 +65,31 @@ class Decoder:
         plan: Any,
     ) -> torch.Tensor:
         """Hidden states of a step from its device tensors (``input_ids``, ``positions``
-        and the attention arrays), over ``cache`` with ``backend``'s ``plan``."""
-        meta = attention.StepMetadata(
-            slot_mapping=tensors["slot_mapping"],
-            block_tables=tensors["block_tables"],
-            seq_lens=tensors["seq_lens"],
-            query_start_loc=tensors["query_start_loc"],
-            layer_caches=cache.layer_caches,
-            layer_scales=cache.layer_scales,
-            backend=backend,
-            plan=plan,
-        )
+        and the attention arrays), over ``cache`` with ``backend``'s ``plan`` (a cache of
+        layer groups: a plan per group, over ``group_tables`` and ``group_slots``)."""
+        groups = cache.layout.groups
+
+        def metadata(
+            tables: torch.Tensor, slots: torch.Tensor, plan: Any
+        ) -> attention.StepMetadata:
+            return attention.StepMetadata(
+                slot_mapping=slots,
+                block_tables=tables,
+                seq_lens=tensors["seq_lens"],
+                query_start_loc=tensors["query_start_loc"],
+                layer_caches=cache.layer_caches,
+                layer_scales=cache.layer_scales,
+                backend=backend,
+                plan=plan,
+            )
+
+        if groups is None:
+            meta = metadata(tensors["block_tables"], tensors["slot_mapping"], plan)
+        else:
+            tables, slots = tensors["group_tables"], tensors["group_slots"]
+            metas = [metadata(tables[g], slots[g], plan[g]) for g in range(len(plan))]
+            meta = metadata(tables[0], slots[0], plan[0])
+            meta.groups, meta.layer_groups = metas, groups.layer_groups
         return self.run(tensors["input_ids"], tensors["positions"], meta)
 
     @property

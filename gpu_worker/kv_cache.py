@@ -27,8 +27,26 @@ from shared.swap_pool import SwapPoolSegment
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroups:
+    """A cache laid out in layer groups (a model mixing windowed and full-attention
+    layers; :mod:`scheduler_svc.core.kv_groups` has the design): every group the same
+    number of layers, a block holding one group's, a table every group's side by side."""
+
+    windows: tuple[int, ...]
+    """Per group, the keys its layers read back from a query (0: the whole context)."""
+    where: tuple[tuple[int, int], ...]
+    """Per model layer, its (group, slot in the group's blocks)."""
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        """Per model layer, its group."""
+        return tuple(group for group, _ in self.where)
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
+    """Layers a block holds: the model's, or with ``groups`` a group's."""
     num_kv_heads: int
     head_dim: int
     block_size: int
@@ -36,6 +54,15 @@ class KVLayout:
     """The model's dtype (queries, outputs; the K/V too unless ``kv_dtype``)."""
     kv_dtype: torch.dtype | None = None
     """The K/V codes' 8-bit dtype of a quantized cache (None: K/V in ``dtype``)."""
+    groups: LayerGroups | None = None
+    """The cache's layer groups, if it is laid out in groups."""
+
+    @property
+    def layer_slots(self) -> list[int]:
+        """Per model layer, where in a block its K/V are."""
+        if self.groups is None:
+            return list(range(self.num_layers))
+        return [slot for _, slot in self.groups.where]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -144,10 +171,10 @@ class KVCache:
         )
         """The blocks as stored (what swap and copy-on-write move)."""
         values, scales = layout.views(self.kv)
-        layers = range(layout.num_layers)
+        layers = layout.layer_slots
         self.layer_caches = [(values[:, layer, 0], values[:, layer, 1]) for layer in layers]
-        """Per layer: (key, value) [blocks, block_size, kv_heads, head_dim] (codes when
-        quantized)."""
+        """Per model layer: (key, value) [blocks, block_size, kv_heads, head_dim] (codes
+        when quantized)."""
         self.layer_scales = (
             None
             if scales is None

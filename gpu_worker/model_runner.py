@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from gpu_worker import attention
-from gpu_worker.architectures import kv_window
+from gpu_worker.architectures import kv_window, layer_groups
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.decoder import load_decoder
 from gpu_worker.draft_model import DraftModel, check_same_vocabulary
@@ -38,7 +38,7 @@ from gpu_worker.prompt_logprobs import prompt_logprobs
 from gpu_worker.sampler import Sampler, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_flops import StepFlops
-from gpu_worker.step_inputs import StepInputs
+from gpu_worker.step_inputs import StepInputs, group_arrays
 from gpu_worker.tensor_parallel import local_kv_heads
 from gpu_worker.token_bitmask import apply_bitmask, pack_rows
 from ipc.plan_state import ScheduledSeq, WorkerSeq, WorkerState, accepted_run
@@ -153,14 +153,27 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         """What the cache was sized from (CUDA without num_gpu_blocks)."""
         self.graphs: DecodeGraphs | None = None
+        # A model mixing windowed and full layers lays its cache out in layer groups
+        # when their windows' blocks are given back (a draft model's K/V share the
+        # blocks and read the whole context: never with one).
+        groups = (
+            layer_groups(config)
+            if limits.free_out_of_window_blocks and not settings.server.speculative_model
+            else None
+        )
         self.layout = KVLayout(
-            num_layers=config.num_hidden_layers,
+            num_layers=config.num_hidden_layers
+            if groups is None
+            else 1 + max(slot for _, slot in groups.where),
             num_kv_heads=local_kv_heads(config, world),
             head_dim=head_dim,
             block_size=block_size,
             dtype=self.dtype,
             kv_dtype=kv_storage_dtype(settings.server.kv_cache_dtype),
+            groups=groups,
         )
+        self.num_groups = 1 if groups is None else len(groups.windows)
+        """Layer groups a block table holds side by side."""
         self.attention_backend, _ = attention.choose_backend(device, self.layout, self.num_heads)
         """The attention backend, chosen once, and why (:mod:`gpu_worker.attention`)."""
         self.draft: DraftModel | None = None
@@ -180,9 +193,16 @@ class ModelRunner:
                 kv_dtype=self.layout.kv_dtype,
             )  # fmt: skip
         num_gpu_blocks = limits.num_gpu_blocks
+        if num_gpu_blocks is not None and groups is not None:
+            # As many bytes as that many blocks of every layer, in blocks of a group's.
+            num_gpu_blocks = num_gpu_blocks * config.num_hidden_layers // self.layout.num_layers
         if num_gpu_blocks is None and device.type != "cuda":
             float32_block = (
-                self.layout.code_bytes * 4 // (self.layout.kv_dtype or self.dtype).itemsize
+                (  # every layer's, in float32
+                    self.layout.code_bytes * 4 // (self.layout.kv_dtype or self.dtype).itemsize
+                )
+                * config.num_hidden_layers
+                // self.layout.num_layers
             )
             num_gpu_blocks = DEFAULT_CPU_BLOCKS * float32_block // self.block_bytes
         elif num_gpu_blocks is None:
@@ -203,7 +223,7 @@ class ModelRunner:
         if settings.server.cuda_graphs and device.type == "cuda" and capturable:
             self.graphs = self.capture_graphs(limits)
         self.eos_token_ids: list[int] = eos_token_ids(model_dir, config)
-        self.state = WorkerState(block_size)
+        self.state = WorkerState(block_size, self.num_groups)
 
     def capture_graphs(self, limits: StepLimits) -> DecodeGraphs:
         """The forward captured for decode steps and for verify steps of
@@ -213,9 +233,7 @@ class ModelRunner:
         verify = limits.num_speculative_tokens + 1  # a verify step's rows per sequence
         graphs = DecodeGraphs(
             lambda tensors, plan: self._run_model(tensors, self.kv_cache, plan),
-            lambda arrays: self.attention_backend.plan(
-                arrays, self.kv_cache.num_blocks, capture=True
-            ),
+            lambda arrays: self._plan(arrays, self.kv_cache.num_blocks, capture=True),
             max_num_seqs=limits.max_num_seqs,
             width=-(-(max_len + verify) // self.block_size),
             device=self.device,
@@ -223,6 +241,7 @@ class ModelRunner:
             rows=(1, verify),
             max_tokens=limits.max_num_batched_tokens,
             runs=lambda arrays: self.attention_backend.graph_runs(arrays),
+            num_groups=self.num_groups,
         )
         graphs.capture()
         return graphs
@@ -261,13 +280,21 @@ class ModelRunner:
             draft_model=os.path.abspath(self.draft.model_dir) if self.draft is not None else "",
             # A draft model's K/V share the blocks and its layers read the whole context.
             kv_window=kv_window(self.config) if self.draft is None else 0,
+            kv_groups=[] if self.layout.groups is None else list(self.layout.groups.windows),
+            kv_block_layers=[]
+            if self.layout.groups is None
+            else [self.config.num_hidden_layers, self.layout.num_layers],
         )
 
     def _profile_num_blocks(self, max_tokens: int, max_num_seqs: int, utilization: float) -> int:
         """Blocks that fit beside everything else the worker will hold at its busiest
         (:mod:`gpu_worker.memory_budget`)."""
         probe = KVCache(
-            self.layout, -(-max_tokens // self.block_size), self.device, None, self.staging
+            self.layout,
+            -(-max_tokens // self.block_size) * self.num_groups,
+            self.device,
+            None,
+            self.staging,
         )
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
@@ -322,15 +349,25 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Hidden states of every packed token (under inference mode): a captured graph's
         replay for a decode-only step that fits one, else an eager forward."""
-        arrays = inputs.host_arrays(self.block_size)
+        arrays = inputs.host_arrays(self.block_size, self.num_groups)
         arrays["input_ids"] = np.asarray(inputs.token_ids, dtype=np.int64)
-        backend = self.attention_backend
         if self.graphs is not None and cache is self.kv_cache:
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return hidden
-        plan = backend.plan(arrays, cache.num_blocks)
+        plan = self._plan(arrays, cache.num_blocks)
         return self._run_model(self.staging.to_device(arrays), cache, plan)
+
+    def _plan(self, arrays: dict[str, np.ndarray], num_blocks: int, capture: bool = False) -> Any:
+        """The attention backend's plan of a step; a cache of layer groups: one per
+        group, over its tables and slots."""
+        plan = self.attention_backend.plan
+        if self.num_groups == 1:
+            return plan(arrays, num_blocks, capture=capture)
+        return [
+            plan(group_arrays(arrays, g), num_blocks, capture=capture)
+            for g in range(self.num_groups)
+        ]
 
     def _run_model(
         self, tensors: dict[str, torch.Tensor], cache: KVCache, plan: Any

@@ -42,15 +42,17 @@ CALIBRATION_CONTEXT = 128
 def decode_inputs(runner: ModelRunner) -> StepInputs:
     """A decode step of up to 64 sequences at context 128 over the runner's own cache
     (the K/V it writes land in blocks no sequence holds yet)."""
-    bs = runner.block_size
+    bs, groups = runner.block_size, runner.num_groups  # a table: every group's blocks
+    logical = runner.num_gpu_blocks // groups
     per_seq = -(-(CALIBRATION_CONTEXT + 1) // bs)
-    num_seqs = max(1, min(CALIBRATION_SEQS, runner.num_gpu_blocks // per_seq))
-    per_seq = min(per_seq, runner.num_gpu_blocks // num_seqs)
+    num_seqs = max(1, min(CALIBRATION_SEQS, logical // per_seq))
+    per_seq = min(per_seq, logical // num_seqs)
     context = min(CALIBRATION_CONTEXT, per_seq * bs - 1)
+    own = per_seq * groups
     return StepInputs(
         token_ids=[0] * num_seqs,
         starts=[context] * num_seqs,
-        tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)],
+        tables=[list(range(i * own, (i + 1) * own)) for i in range(num_seqs)],
         query_start_loc=list(range(num_seqs + 1)),
     )
 

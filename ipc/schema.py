@@ -290,6 +290,16 @@ class WorkerHello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_fi
     when every attention layer has one (the largest), else 0 (some layer reads the whole
     context, or a draft model's K/V share the blocks). The scheduler releases blocks
     behind it; the workers' last block is then the null block released entries name."""
+    kv_groups: list[int] = []
+    """A cache laid out in layer groups (a model mixing windowed and full layers, whose
+    windowed layers' blocks are given back): each group's window, 0 for full attention;
+    a block holds one group's layers, a table every group's side by side
+    (``scheduler_svc/core/kv_groups.py``). Empty: one group, every layer in a block."""
+    kv_block_layers: list[int] = []
+    """With ``kv_groups``: [the model's layers, the layers a block holds]. Block counts
+    in the configuration (``num_gpu_blocks``, ``num_cpu_blocks``,
+    ``prefix_cache_cpu_blocks``) are blocks of every layer; the worker's and the
+    scheduler's pools hold as many bytes in these smaller blocks."""
 
 
 class BlockUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,10 +42,15 @@ class BuiltEngine:
 
 
 def sized_config(config: SchedulerConfig, hello: WorkerHello) -> SchedulerConfig:
-    """``config`` with the worker's cache size and the checkpoint's length limit."""
+    """``config`` with the worker's cache size and the checkpoint's length limit; for a
+    cache of layer groups, the CPU pools' blocks as many bytes in blocks of a group's
+    layers (``WorkerHello.kv_block_layers``)."""
+    layers, per_block = hello.kv_block_layers or (1, 1)
     return msgspec.structs.replace(
         config,
         num_gpu_blocks=hello.num_gpu_blocks,
+        num_cpu_blocks=config.num_cpu_blocks * layers // per_block,
+        prefix_cache_cpu_blocks=config.prefix_cache_cpu_blocks * layers // per_block,
         max_model_len=capped_max_len(config.max_model_len, hello.model),
     )
 
@@ -80,5 +85,6 @@ def build_engine(
         vocab_size=hello.vocab_size or None,
         drafting=bool(hello.draft_model),
         kv_window=hello.kv_window,
+        kv_groups=tuple(hello.kv_groups),
     )
     return BuiltEngine(sized, core, StepEngine(core, executor, times=times), swap_pool)

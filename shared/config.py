@@ -86,6 +86,18 @@ class StepLimits(Settings, frozen=True):
             "forward; 0 = no speculative decoding.",
         ),
     ] = 0
+    free_out_of_window_blocks: Annotated[
+        bool,
+        Meta(
+            description="Give back each sequence's KV blocks of its sliding-window "
+            "layers once the window has passed them (they are never read again): a "
+            "model whose every layer is windowed gives back whole blocks, one that "
+            "mixes windowed and full layers lays its cache out in layer groups and gives "
+            "back the windowed groups' (block counts still mean blocks of every layer: "
+            "the pools hold as many bytes in blocks of one group's layers); off = a "
+            "sequence holds its whole context in every layer."
+        ),
+    ] = True
 
 
 class SchedulerConfig(StepLimits, frozen=True):
@@ -174,14 +186,6 @@ class SchedulerConfig(StepLimits, frozen=True):
     ] = 4096
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share KV blocks of identical prompt prefixes across requests.")
-    ] = True
-    free_out_of_window_blocks: Annotated[
-        bool,
-        Meta(
-            description="For a model whose every attention layer has a sliding window, "
-            "give back each sequence's KV blocks once the window has passed them (they "
-            "are never read again); off = a sequence holds its whole context."
-        ),
     ] = True
     overlap_scheduling: Annotated[
         bool,

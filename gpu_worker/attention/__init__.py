@@ -73,6 +73,11 @@ class StepMetadata:
     [blocks, block_size, kv_heads]; None when K/V are stored in the model's dtype."""
     checked: bool = False
     """The step's shapes passed ``check_args`` (its first layer checks them)."""
+    groups: list[StepMetadata] | None = None
+    """A cache of layer groups (:class:`gpu_worker.kv_cache.LayerGroups`): per group,
+    its own tables, slots and plan (this one is the first group's)."""
+    layer_groups: tuple[int, ...] = ()
+    """With ``groups``: per layer, its group."""
 
 
 class AttentionBackend:
@@ -109,6 +114,8 @@ def attend(
     meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
 ) -> Tensor:
     """One layer's attention through the step's backend (views will do for q, k, v)."""
+    if meta.groups is not None:  # the layer's group: its tables, slots and plan
+        meta = meta.groups[meta.layer_groups[layer]]
     if not meta.checked:  # every layer's shapes are the first one's
         tables = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
         check_args(q, *meta.layer_caches[layer], *tables)

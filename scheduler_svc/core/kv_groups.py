@@ -16,19 +16,22 @@ table. The windowed groups' entries are released as the window passes them
 (:meth:`slide`; they then name the null block, as with one windowed table), the
 full-attention groups' never. Every group's blocks of a full logical block enter the
 prefix cache together (each group's under a hash of its own, its key naming the
-previous block of the same group), and a hit takes a run of logical blocks whose every
-group is cached, from the first: a group's block released and evicted ends the run
-there. Only the first group's blocks are announced as KV events (routers see the
-content once).
+previous block of the same group). A hit is a run of leading logical blocks whose full
+groups' blocks are all cached and whose windowed groups' blocks are cached as far back
+as the window reads (:meth:`find_window`, as ``KVCacheManager.find_window`` for one
+windowed table), so a long prompt whose early windowed blocks were released and evicted
+still hits in full. Only the first group's blocks are announced as KV events (routers
+see the content once).
 
-Not here: the host tier of the prefix cache (off for grouped tables), hits that take
-only the blocks a window reads (``KVCacheManager.find_window``), and swapped sequences'
-device hits.
+The host tier keeps each group's evicted blocks apart (a group's digest of the prefix),
+and a hit there is a run of logical blocks it holds every group's block of, after the
+device hits. Not here: swapped sequences' device hits.
 """
 
 from __future__ import annotations
 
 from scheduler_svc.core.block_pool import NO_PARENT, chain_hash
+from scheduler_svc.core.host_tier import sequence_digests
 from scheduler_svc.core.kv_manager import CopyOnWrite, KVCacheManager
 from scheduler_svc.core.request import Sequence
 
@@ -40,6 +43,11 @@ def group_hash(content_hash: int, group: int) -> int:
     """The prefix-cache hash of group ``group``'s block of that content (the first
     group's is the content hash itself, as a single table's)."""
     return content_hash if group == 0 else hash((content_hash, -1 - group))
+
+
+def group_digest(digest: bytes, group: int) -> bytes:
+    """The host tier's key of group ``group``'s block of a prefix with that digest."""
+    return digest if group == 0 else digest + group.to_bytes(2, "little")
 
 
 def first_parent(group: int) -> int:
@@ -58,9 +66,11 @@ class GroupedKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool,
         groups: tuple[int, ...],
         release: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         """``groups``: each group's window (0: its layers read the whole context), at
-        least two; ``release``: give back the windowed groups' blocks behind the window."""
+        least two; ``release``: give back the windowed groups' blocks behind the window;
+        ``num_host_blocks``: the prefix cache's host tier (blocks of one group each)."""
         if len(groups) < 2 or any(w < 0 for w in groups):
             raise ValueError(f"kv_groups {list(groups)}: at least two windows, none negative")
         windows = [w for w in groups if w]
@@ -69,9 +79,9 @@ class GroupedKVCacheManager(KVCacheManager):
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
             window=max(windows) if windows and release else 0,
         )
-        self.digests = None  # no window-only hits
         self.groups = groups
         self.num_groups = len(groups)
         self.windowed = tuple(g for g, w in enumerate(groups) if w) if self.window else ()
@@ -110,12 +120,126 @@ class GroupedKVCacheManager(KVCacheManager):
         return hits
 
     def find_prefix(self, seq: Sequence) -> GroupHits:  # type: ignore[override]
+        """Prefix hits for admission (at least one token left to compute; none for a
+        request that asks for prompt logprobs): with windows, :meth:`find_window`."""
         if seq.request.params.prompt_logprobs is not None:
             return []
+        if self.digests is not None:
+            return self.find_window(seq, (seq.num_tokens - 1) // self.block_size)
         return self.find_cached(seq, (seq.num_tokens - 1) // self.block_size)
 
-    def find_host(self, seq: Sequence, hits: list) -> list[int]:  # type: ignore[type-arg]
-        return []
+    def find_window(self, seq: Sequence, max_blocks: int) -> GroupHits:  # type: ignore[override]
+        """Prefix hits when the windowed groups release: the longest run of leading
+        logical blocks whose full groups' blocks are all cached and whose windowed
+        groups' blocks are cached as far back as the window reads (their entries
+        before that come back as :attr:`null_block`, released from the start).
+
+        A full group's block is confirmed by its key (its group's previous block); a
+        windowed group's by its key within a run of cached blocks, the run's first one,
+        whose previous block may be gone, by its group's digest of the whole prefix
+        (as ``KVCacheManager.find_window`` confirms it)."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
+        assert self.digests is not None
+        hashes, token_ids, bs, window = (
+            seq.block_hashes,
+            seq.token_ids,
+            self.block_size,
+            self.window,
+        )
+        pool, digests, null = self.pool, self.digests, self.null_block
+        cached, block_key, entry = pool.cached, pool.block_key, pool.entry
+        windowed = set(self.windowed)
+        full = [g for g in range(self.num_groups) if g not in windowed]
+        parents = {g: first_parent(g) for g in full}
+        runs: dict[int, list[int]] = {g: [] for g in windowed}  # each ending at index
+        chain: list[list[int]] = []  # the full groups' blocks, per logical block
+        best: GroupHits = []
+        for index in range(max_blocks):
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            if index == len(hashes):
+                hashes.append(chain_hash(hashes[index - 1] if index else 0, tokens))
+            blocks = []
+            for g in full:
+                block = cached.get(group_hash(hashes[index], g))
+                if block is None or block_key[block] != (parents[g], tokens):
+                    return best
+                blocks.append(block)
+            parents = {g: entry[b] for g, b in zip(full, blocks, strict=True)}
+            chain.append(blocks)
+            for g in windowed:
+                run = runs[g]
+                block = cached.get(group_hash(hashes[index], g))
+                if block is None:
+                    run.clear()
+                elif run and block_key[block] == (entry[run[-1]], tokens):
+                    run.append(block)
+                elif (index == 0 and block_key[block] == (first_parent(g), tokens)) or (
+                    index
+                    and digests[block]
+                    == group_digest(sequence_digests(seq, index + 1, bs)[index], g)
+                ):
+                    runs[g] = [block]
+                else:
+                    run.clear()
+            # What the window still reads, and the last block (the next one's parent).
+            held_from = min(index, max(0, ((index + 1) * bs - window + 1) // bs))
+            if all(index + 1 - len(runs[g]) <= held_from for g in windowed):
+                best = []
+                for i in range(index + 1):
+                    row = dict(zip(full, chain[i], strict=True))
+                    for g in windowed:
+                        row[g] = null if i < held_from else runs[g][len(runs[g]) - (index + 1 - i)]
+                    best.append(tuple(row[g] for g in range(self.num_groups)))
+        return best
+
+    def find_host(self, seq: Sequence, hits: list) -> GroupHits:  # type: ignore[override,type-arg]
+        """Host-tier blocks of ``seq``'s logical blocks after its device ``hits``, in a
+        row: every full group's, and with windows the windowed groups' as far back as
+        the window of the whole hit reads (:attr:`null_block` before that)."""
+        host = self.host
+        if host is None or not host.cached or seq.request.params.prompt_logprobs is not None:
+            return []
+        start, stop, bs = len(hits), (seq.num_tokens - 1) // self.block_size, self.block_size
+        windowed = set(self.windowed)
+        rows: list[list[int | None]] = []
+        missing = -1  # the last block a windowed group's block of is not in the tier
+        best: GroupHits = []
+        for index in range(start, stop):
+            digest = sequence_digests(seq, index + 1, bs)[index]
+            row = [host.cached.get(group_digest(digest, g)) for g in range(self.num_groups)]
+            if any(row[g] is None for g in range(self.num_groups) if g not in windowed):
+                break
+            if any(row[g] is None for g in windowed):
+                missing = index
+            rows.append(row)
+            if missing < max(start, self._held_from(index + 1)):
+                best = self._released_before(rows, start, index + 1)
+        return best
+
+    def _held_from(self, num_blocks: int) -> int:
+        """The first logical block a query after ``num_blocks`` full blocks reads (the
+        window's first), or ``num_blocks - 1`` (the last stays: the next one's parent);
+        0 without windows."""
+        if not self.windowed:
+            return 0
+        return min(
+            num_blocks - 1,
+            max(0, (num_blocks * self.block_size - self.window + 1) // self.block_size),
+        )
+
+    def _released_before(self, rows: list[list[int | None]], start: int, end: int) -> GroupHits:
+        """``rows`` (logical blocks ``start`` on) up to ``end``, the windowed groups'
+        entries before the window of ``end`` blocks released."""
+        held_from, null, windowed = self._held_from(end), self.null_block, self.windowed
+        out = []
+        for index, row in enumerate(rows[: end - start], start=start):
+            entries = list(row)
+            if index < held_from:
+                for g in windowed:
+                    entries[g] = null
+            out.append(tuple(entries))
+        return out  # type: ignore[return-value]
 
     def find_swap_hits(self, seq: Sequence) -> list[int]:
         return []
@@ -138,7 +262,7 @@ class GroupedKVCacheManager(KVCacheManager):
             self.num_groups,
         )
         pool = self.pool
-        block_hash, entry, null = pool.block_hash, pool.entry, self.null_block
+        block_hash, entry, null, host = pool.block_hash, pool.entry, self.null_block, self.host
         for index in range(start, full):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             if index == len(hashes):
@@ -150,7 +274,14 @@ class GroupedKVCacheManager(KVCacheManager):
                 self._extend_hashes(seq, full)
                 break
             parent_hash = hashes[index - 1] if index else None
+            digest = (
+                sequence_digests(seq, full, bs)[index]
+                if host is not None or self.digests is not None
+                else None
+            )
             for g in range(num_groups):
+                if table[base + g] == null:  # released (a host hit's, before the window)
+                    continue
                 parent = entry[table[base - num_groups + g]] if index else first_parent(g)
                 pool.cache(
                     table[base + g],
@@ -159,28 +290,55 @@ class GroupedKVCacheManager(KVCacheManager):
                     None if parent_hash is None else group_hash(parent_hash, g),
                     announce=g == 0,
                 )
+                if digest is not None and block_hash[table[base + g]] is not None:
+                    key = group_digest(digest, g)
+                    if host is not None:
+                        host.device_digest[table[base + g]] = key
+                    if self.digests is not None:
+                        self.digests[table[base + g]] = key
         seq.num_cached_blocks = full
 
     # -- admission and growth -------------------------------------------------------------
 
     def _cost(self, num_blocks_after: int, hits: GroupHits) -> int:  # type: ignore[override]
-        ref_cnt = self.pool.ref_cnt
-        reused = sum(1 for blocks in hits for b in blocks if ref_cnt[b] == 0)
+        ref_cnt, null = self.pool.ref_cnt, self.null_block
+        reused = sum(1 for blocks in hits for b in blocks if b != null and ref_cnt[b] == 0)
         return (num_blocks_after - len(hits)) * self.num_groups + reused
 
     def admit(  # type: ignore[override]
-        self, seq: Sequence, hits: GroupHits, host: list[int] | None = None
+        self, seq: Sequence, hits: GroupHits, host: GroupHits | None = None
     ) -> list[tuple[int, int]]:
-        table = [b for blocks in hits for b in blocks]
-        self.pool.share(table)
+        """Start ``seq``'s table from its prefix hits, then new blocks for its ``host``
+        tier hits (pinned until the step is done); returns the (tier block, device
+        block) copies."""
+        null, host = self.null_block, host or []
+        # The windowed groups' entries before the window of the whole hit are released
+        # (device hits past find_window's own, when host hits follow them).
+        rows = self._released_before([list(row) for row in hits], 0, len(hits) + len(host))
+        table = [b for row in rows for b in row]
+        self.pool.share(b for b in table if b != null)
+        released = sum(1 for row in [*rows, *host] if null in row)  # leading ones
+        self.window_hits += bool(released)
+        pairs: list[tuple[int, int]] = []
+        if host:
+            assert self.host is not None
+            tier = [b for row in host for b in row if b != null]
+            self.host.pin(tier)  # before allocating: a demotion must not take them
+            copied = self.pool.allocate(len(tier))
+            fill = iter(copied)
+            table += [null if b == null else next(fill) for row in host for b in row]
+            pairs = list(zip(tier, copied, strict=True))
+            self.host.hit_tokens += len(host) * self.block_size
         seq.block_table = table
-        seq.num_released = 0
+        seq.num_released = released
         seq.released_width = len(self.windowed)
         seq.num_cached_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = (len(hits) + len(host)) * self.block_size
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_computed_tokens
-        return []
+        if pairs:
+            self.cache_full_blocks(seq, seq.num_computed_tokens)
+        return pairs
 
     def _shared_entries(self, seq: Sequence) -> list[int]:
         """Entries of ``seq``'s partial last logical block whose blocks are shared (the
@@ -223,6 +381,7 @@ class GroupedKVCacheManager(KVCacheManager):
         child.released_width = parent.released_width
         self.pool.share(self._held(parent))
         child.block_hashes = list(parent.block_hashes)
+        child.block_digests = list(parent.block_digests)
         child.num_cached_blocks = parent.num_cached_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 

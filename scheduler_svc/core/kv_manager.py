@@ -205,6 +205,9 @@ class KVCacheManager:
         pool = self.pool
         key = pool.block_key[block]
         assert self.host is not None and key is not None
+        if pool.quiet[block]:  # cached without an event: kept without one
+            self.host.demote(block)
+            return
         self.host.demote(block, (pool.block_hash[block], pool.parent_hash[block], key[1]))  # type: ignore[arg-type]
 
     def block_hashes_after(self, seq: Sequence, num_tokens: int) -> list[int]:

@@ -260,10 +260,13 @@ class PreemptionCostModel:
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
 
-    def copy_in_pays(self, num_blocks: int, block_size: int) -> bool:
+    def copy_in_pays(self, num_blocks: int, block_size: int, copies_per_block: int = 1) -> bool:
         """Whether copying ``num_blocks`` prefix blocks in from the host tier (one way)
-        beats computing their tokens again."""
-        return self.copy_seconds(num_blocks) < self.recompute_seconds(num_blocks * block_size)
+        beats computing their tokens again (``copies_per_block``: a grouped table's
+        blocks per logical block, :mod:`scheduler_svc.core.kv_groups`)."""
+        return self.copy_seconds(num_blocks * copies_per_block) < self.recompute_seconds(
+            num_blocks * block_size
+        )
 
     def choose(self, seq: Sequence, cpu_free_blocks: int) -> PreemptionMode:
         num_blocks = seq.num_device_blocks

@@ -113,22 +113,16 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.kv: KVCacheManager
-        self.notes: list[str] = []
-        """What the scheduler set aside of its configuration, and why (logged)."""
         if len(kv_groups) > 1:
             self.kv = GroupedKVCacheManager(
                 block_size=config.block_size,
                 num_gpu_blocks=config.num_gpu_blocks,
                 num_cpu_blocks=config.num_cpu_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
+                num_host_blocks=config.prefix_cache_cpu_blocks,
                 groups=tuple(kv_groups),
                 release=config.free_out_of_window_blocks,
             )
-            if config.prefix_cache_cpu_blocks:
-                self.notes.append(
-                    "prefix_cache_cpu_blocks ignored: the prefix cache has no host tier "
-                    f"for a cache of layer groups ({list(kv_groups)})"
-                )
         else:
             self.kv = KVCacheManager(
                 block_size=config.block_size,
@@ -437,16 +431,16 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 else:
                     hits = kv.find_prefix(seq)
                     host = kv.find_host(seq, hits)
-                    if host and not self.cost_model.copy_in_pays(len(host), bs):
+                    if host and not self.cost_model.copy_in_pays(len(host), bs, stride):
                         host = []
                     num_new = self._chunk(seq.num_tokens - (len(hits) + len(host)) * bs, budget)
                     if not kv.can_admit(seq, hits, num_new, reserve, len(host)):
                         break
                     self.waiting.remove(seq)
                     copies = kv.admit(seq, hits, host)
-                    if copies:
+                    if copies:  # (tier block, device block): the tier blocks are pinned
                         step.swap_in.extend(copies)
-                        step.host_pins.extend(host)
+                        step.host_pins.extend(tier for tier, _ in copies)
                     step.prefix_hit_tokens[seq.seq_id] = seq.num_computed_tokens
                 seq.status = SeqStatus.RUNNING
                 bisect.insort(running, seq, key=_sort_key)

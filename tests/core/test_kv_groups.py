@@ -16,7 +16,7 @@ from support.kv_cases import make_child, make_seq, prefill
 from scheduler_svc.core.kv_events import apply_events, external_hash
 from scheduler_svc.core.kv_groups import GroupedKVCacheManager
 from scheduler_svc.core.kv_manager import KVCacheManager
-from scheduler_svc.simulator import Simulation
+from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, Simulation
 from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
 
@@ -94,6 +94,41 @@ def test_a_trace_over_layer_groups_keeps_every_invariant_and_output(
     assert sum(slid.summary["preemptions"].values()) < sum(kept.summary["preemptions"].values())
 
 
+@pytest.mark.parametrize("groups", [(0, WINDOW), (WINDOW, 0, WINDOW)])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_every_groups_blocks_go_to_the_host_tier_and_come_back_together(
+    groups: tuple[int, ...], mode: str
+) -> None:
+    """Shared prefixes that do not all fit the device pool (their windowed groups'
+    blocks given back first): evicted blocks of every group are kept in the host tier
+    and come back on a hit; outputs exact, invariants every step, fewer prompt tokens
+    computed than without the tier."""
+    trace = generate_trace(
+        70, seed=11, prompt_len=(20, 60), output_len=(1, 20), arrival_rate=2.0,
+        n_choices=(1, 1, 2), eos_fraction=0.3, abort_fraction=0.1,
+        shared_prefixes=8, shared_prefix_len=32,
+    )  # fmt: skip
+    computed = {}
+    for tier in (0, 48):
+        cfg = config(
+            num_gpu_blocks=96, prefix_cache_cpu_blocks=tier, max_num_seqs=6,
+            max_model_len=128, preemption_mode=mode, cache_aware_admission=bool(tier),
+            prefill_tokens_per_s=500.0,  # a slow model: a copy beats recomputing a block
+        )  # fmt: skip
+        # A block holds one group's layers: a whole block's bytes over the groups.
+        per_block = DEFAULT_KV_BYTES_PER_BLOCK // len(groups)
+        sim = Simulation(
+            trace, cfg, kv_bytes_per_block=per_block, verify_kv=True, check_invariants=True,
+            kv_groups=groups,
+        )  # fmt: skip
+        check_outputs(sim, sim.run())
+        kv = sim.scheduler.kv
+        computed[tier] = kv.queried_tokens - kv.hit_tokens
+        if tier:
+            assert kv.host is not None and kv.host.hit_tokens > 0
+    assert computed[48] < computed[0]
+
+
 @pytest.mark.parametrize("acceptance", [0.0, 0.8])
 def test_layer_groups_and_speculative_proposals(acceptance: float) -> None:
     """Rejected proposals give their tail blocks back in every group."""
@@ -158,26 +193,34 @@ def test_a_long_sequence_holds_its_context_in_full_groups_and_the_window_in_othe
     assert kv.pool.num_free == kv.pool.num_blocks and seq.num_released == 0
 
 
-def test_a_prefix_hit_takes_every_groups_blocks_and_ends_where_one_is_gone() -> None:
-    kv = grouped_kv(num_gpu_blocks=40)
+def test_a_prefix_hit_takes_the_full_groups_blocks_and_the_windows() -> None:
+    """A hit takes every full group's block of the prefix, and of the windowed group
+    only what the window reads (the entries before come back released); those released
+    and evicted do not shorten it, a windowed block the window reads does."""
+    kv = grouped_kv(num_gpu_blocks=40)  # window 10: a hit of 6 blocks reads blocks 3-5
     first = make_seq(list(range(1, 26)))  # 6 full blocks and one token
     prefill(kv, first)
     assert first.num_cached_blocks == 6
-    again = make_seq(list(range(1, 26)))
-    hits = kv.find_prefix(again)
-    assert hits == [tuple(first.block_table[2 * i : 2 * i + 2]) for i in range(6)]
-    # The same tokens' block of another group is not a hit: keys name the group.
-    assert len({b for pair in hits for b in pair}) == 12
-    kv.admit(again, hits)
-    assert again.num_computed_tokens == 6 * BS
-    assert again.block_table == first.block_table[:12]
-    kv.free(again)
-    # Released and evicted, the windowed group's early blocks end later hits there.
+    blocks = [tuple(first.block_table[2 * i : 2 * i + 2]) for i in range(6)]
+    null = kv.null_block
+    want = [(full, null if i < 3 else windowed) for i, (full, windowed) in enumerate(blocks)]
+    assert kv.find_prefix(make_seq(list(range(1, 26)))) == want
+    # The windowed group's early blocks released and evicted: the same hit.
     kv.slide(first)
-    assert first.num_released > 0
-    kv.free(first)
-    kv.pool.allocate(kv.pool.num_free)  # evict every cached block
-    assert kv.find_prefix(make_seq(list(range(1, 26)))) == []
+    assert first.num_released == 4  # the last query is at 24: blocks 4 and 5 are read
+    kv.pool.allocate(kv.pool.num_free - 1)  # all but block 3's, released last
+    assert all(kv.pool.block_hash[windowed] is None for _, windowed in blocks[:3])
+    assert kv.pool.block_hash[blocks[3][1]] is not None
+    again = make_seq(list(range(1, 26)))
+    assert kv.find_prefix(again) == want
+    kv.admit(again, want)
+    assert again.num_released == 3 and again.num_computed_tokens == 6 * BS
+    assert again.block_table == [b for row in want for b in row]
+    assert kv.num_held(again) == 6 + 3
+    kv.free(again)
+    # A windowed block the window reads is gone: the hit ends before it.
+    kv.pool.uncache(blocks[4][1])
+    assert len(kv.find_prefix(make_seq(list(range(1, 26))))) < 5
 
 
 def test_copy_on_write_copies_each_groups_shared_block() -> None:

@@ -81,9 +81,13 @@ def test_greedy_matches_transformers(
         assert completion.token_ids == expected[index], f"prompt {index} ({scenario})"
     sched = llm.scheduler
     assert check_invariants(sched) == []
-    # Mistral windows every layer: its blocks behind the window were given back.
-    windowed = llm.runner.config.model_type == "mistral"
+    # Mistral windows every layer; qwen2, gemma2 and gemma3 mix windowed and full layers
+    # (a cache of two layer groups): either way, blocks behind the window went back.
+    model_type = llm.runner.config.model_type
+    grouped = model_type in ("qwen2", "gemma2", "gemma3_text")
+    windowed = grouped or model_type == "mistral"
     assert (sched.kv.window == SLIDING_WINDOW) == windowed
+    assert sched.kv.num_groups == (2 if grouped else 1)
     assert (sched.kv.released_blocks > 0) == windowed
     if scenario == "chunked":
         assert max(p.total_tokens for p in log.plans) <= 16
@@ -109,12 +113,32 @@ def test_greedy_with_prompt_lookup_matches_transformers(
     """Speculative decoding (prompt lookup, 4 tokens a step) changes no token."""
     llm = engine_factory(num_speculative_tokens=4, **SCENARIOS[scenario])
     log = PlanLog(llm)
+    found = count_proposals(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outputs = llm.generate(PROMPTS, greedy)
     for index, completion in enumerate(outputs):
         assert completion.token_ids == expected[index], f"prompt {index} ({scenario})"
     assert check_invariants(llm.scheduler) == []
-    assert log.count("proposals") > 0
+    if scenario in ("swap", "recompute"):
+        # A pool this full may refuse every proposal the room (each needs blocks
+        # beyond one for every later running sequence): lookup found some at least.
+        assert log.count("proposals") > 0 or found[0] > 0
+    else:
+        assert log.count("proposals") > 0
+
+
+def count_proposals(llm: LLM) -> list[int]:
+    """A counter of the proposals prompt lookup finds (planned or not)."""
+    found = [0]
+    propose = llm.scheduler.proposer.propose
+
+    def counted(seq, k):  # type: ignore[no-untyped-def]
+        proposal = propose(seq, k)
+        found[0] += bool(proposal)
+        return proposal
+
+    llm.scheduler.proposer.propose = counted  # type: ignore[method-assign]
+    return found
 
 
 def test_n_samples_fork_with_copy_on_write(engine_factory, expected: dict[int, list[int]]) -> None:

@@ -36,7 +36,8 @@ STEPS: list[dict[str, int]] = [
     {"a": 1, "b": 1, "c": 1},
 ]
 NUM_GPU_BLOCKS = SEQ_BLOCKS * len(PROMPTS)
-"""The cache a runner of these steps needs."""
+"""The cache a runner of these steps needs (blocks of every layer: a runner of layer
+groups makes as many bytes of its smaller blocks)."""
 SAMPLED = {"a": 8, "b": 8, "c": 4}
 """How many tokens each sequence samples over :data:`STEPS`."""
 
@@ -55,6 +56,7 @@ def run_steps(runner: ModelRunner) -> tuple[list[torch.Tensor], dict[str, list[i
     runner._forward = record  # type: ignore[method-assign]
     sampled: dict[str, list[int]] = {seq_id: [] for seq_id in PROMPTS}
     greedy = SamplingParams(temperature=0.0, max_tokens=len(STEPS))
+    own = SEQ_BLOCKS * runner.num_groups  # a table of layer groups: every group's blocks
     try:
         for step, scheduled in enumerate(STEPS):
             new = [
@@ -65,7 +67,7 @@ def run_steps(runner: ModelRunner) -> tuple[list[torch.Tensor], dict[str, list[i
                     token_ids=PROMPTS[seq_id],
                     num_prompt_tokens=len(PROMPTS[seq_id]),
                     num_computed_tokens=0,
-                    block_ids=list(range(index * SEQ_BLOCKS, (index + 1) * SEQ_BLOCKS)),
+                    block_ids=list(range(index * own, (index + 1) * own)),
                     sampling=greedy,
                 )
                 for index, seq_id in enumerate(PROMPTS)

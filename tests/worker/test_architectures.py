@@ -20,7 +20,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from expeditor.llm import LLM
 from gpu_worker import tiny_model
-from gpu_worker.architectures import SUPPORTED, check_supported, kv_window, layer_windows
+from gpu_worker.architectures import (
+    SUPPORTED,
+    check_supported,
+    kv_window,
+    layer_groups,
+    layer_windows,
+)
 from gpu_worker.lean_model import LeanDecoder
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import ARCHS, make_tiny_model
@@ -111,8 +117,21 @@ def test_layer_windows_are_the_ones_the_layers_apply(
         lean = LeanDecoder(model, model.config)
         assert [layer.attention.window for layer in lean.layers] == windows
     assert kv_window(model.config) == (tiny_model.SLIDING_WINDOW if arch == "mistral" else 0)
+    # A model mixing windowed and full layers: a layer group of each kind.
+    groups = layer_groups(model.config)
+    mixed = 0 < sum(w > 0 for w in windows) < len(windows)
+    if mixed:
+        assert groups is not None
+        assert groups.windows == (0, tiny_model.SLIDING_WINDOW)
+        assert [groups.windows[g] for g in groups.layer_groups] == windows
+    else:
+        assert groups is None
     with LLM(path, device="cpu", dtype=torch.float32) as llm:
-        assert llm.scheduler.kv.window == kv_window(model.config)
+        assert llm.scheduler.kv.window == (
+            tiny_model.SLIDING_WINDOW if mixed else kv_window(model.config)
+        )
+        assert llm.scheduler.kv.num_groups == (2 if mixed else 1)
+        assert llm.runner.hello().kv_groups == (list(groups.windows) if groups else [])
 
 
 @pytest.mark.parametrize("arch", ["llama", "olmo2", "granite"])
