@@ -6,8 +6,10 @@ Every request arrives at once with a prompt that, with its answer, reaches
 last ``window`` keys: the scheduler's ``free_out_of_window_blocks`` gives back the rest,
 so the same device pool holds several times the sequences. The ``config`` hint sizes
 the pool at ``pool_fraction`` of the working set (every request's whole context), which
-whole contexts overflow and windows do not. A model with a full-attention layer (the
-real SmolLM2 has no window at all) holds whole contexts either way.
+whole contexts overflow and windows do not. A model that mixes windowed and full
+layers (tiny gemma2, gemma3, qwen2) lays its cache out in layer groups and gives back
+only its windowed groups' blocks; one without a window (the real SmolLM2) holds whole
+contexts either way.
 """
 
 from __future__ import annotations

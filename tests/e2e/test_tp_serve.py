@@ -44,9 +44,9 @@ SCENARIOS = {
     "chunked+prefix": ("--block-size", "4", "--max-num-batched-tokens", "16",
                        "--num-gpu-blocks", "128"),
     # Too few device blocks: sequences are swapped out to the group's pool and back.
-    "swap": ("--block-size", "4", "--num-gpu-blocks", "24", "--num-cpu-blocks", "128",
+    "swap": ("--block-size", "4", "--num-gpu-blocks", "20", "--num-cpu-blocks", "128",
              "--preemption-mode", "swap", "--watermark", "0", "--max-num-batched-tokens", "64"),
-    "recompute": ("--block-size", "4", "--num-gpu-blocks", "24", "--preemption-mode",
+    "recompute": ("--block-size", "4", "--num-gpu-blocks", "20", "--preemption-mode",
                   "recompute", "--watermark", "0", "--max-num-batched-tokens", "64"),
 }  # fmt: skip
 
