@@ -406,25 +406,18 @@ class GroupedKVCacheManager(KVCacheManager):
         seq.num_released = 0
 
     def slide(self, seq: Sequence) -> list[int]:
-        """Release the windowed groups' blocks of ``seq``'s leading logical blocks that no
-        query reads again (the full-attention groups keep theirs); returns the released
-        table entries (now naming :attr:`null_block`). With prefix caching the last
-        registered logical block stays whole (the next one's keys name its blocks)."""
-        window = self.window
-        if not window:
-            return []
-        end = (seq.num_computed_tokens - window + 1) // self.block_size
-        if self.enable_prefix_caching and end >= seq.num_cached_blocks:
-            end = seq.num_cached_blocks - 1
-        start = seq.num_released
-        if end <= start:
+        """Release the windowed groups' blocks of ``seq``'s :meth:`passed_blocks` (the
+        full-attention groups keep theirs); returns the released table entries (now
+        naming :attr:`null_block`)."""
+        passed = self.passed_blocks(seq)
+        if not passed:
             return []
         table, num_groups, null = seq.block_table, self.num_groups, self.null_block
-        entries = [i * num_groups + g for i in range(start, end) for g in self.windowed]
+        entries = [i * num_groups + g for i in passed for g in self.windowed]
         self.pool.release(table[i] for i in entries)
         for i in entries:
             table[i] = null
-        seq.num_released = end
+        seq.num_released = passed.stop
         self.released_blocks += len(entries)
         return entries
 

@@ -377,23 +377,27 @@ class KVCacheManager:
         seq.num_cached_blocks = 0
         seq.num_released = 0
 
-    def slide(self, seq: Sequence) -> list[int]:
-        """Release the leading blocks of ``seq`` that no layer reads again; returns their
-        table indices (now naming :attr:`null_block`).
+    def passed_blocks(self, seq: Sequence) -> range:
+        """The blocks of ``seq``, after those released, that no query reads again.
 
         A query at position p reads keys after p - window, and every query still to come
         sits at or after the computed tokens; a block whose last key is at or before
         computed - window is therefore never read again. With prefix caching the last
         registered block stays (the next block's key names it as its parent)."""
-        window = self.window
-        if not window:
-            return []
-        end = (seq.num_computed_tokens - window + 1) // self.block_size
+        if not self.window:
+            return range(0)
+        end = (seq.num_computed_tokens - self.window + 1) // self.block_size
         if self.enable_prefix_caching and end >= seq.num_cached_blocks:
             end = seq.num_cached_blocks - 1
-        start = seq.num_released
-        if end <= start:
+        return range(seq.num_released, end)
+
+    def slide(self, seq: Sequence) -> list[int]:
+        """Release the :meth:`passed_blocks` of ``seq``; returns their table indices (now
+        naming :attr:`null_block`)."""
+        passed = self.passed_blocks(seq)
+        if not passed:
             return []
+        start, end = passed.start, passed.stop
         table = seq.block_table
         self.pool.release(table[start:end])  # oldest first: the first to be evicted
         table[start:end] = [self.null_block] * (end - start)

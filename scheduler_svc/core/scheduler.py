@@ -112,26 +112,22 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         """Whether the last plan let decodes propose (then nothing is planned ahead)."""
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.kv: KVCacheManager
-        if len(kv_groups) > 1:
-            self.kv = GroupedKVCacheManager(
-                block_size=config.block_size,
-                num_gpu_blocks=config.num_gpu_blocks,
-                num_cpu_blocks=config.num_cpu_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                num_host_blocks=config.prefix_cache_cpu_blocks,
-                groups=tuple(kv_groups),
-                release=config.free_out_of_window_blocks,
+        pools = {
+            "block_size": config.block_size,
+            "num_gpu_blocks": config.num_gpu_blocks,
+            "num_cpu_blocks": config.num_cpu_blocks,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "num_host_blocks": config.prefix_cache_cpu_blocks,
+        }
+        self.kv: KVCacheManager = (
+            GroupedKVCacheManager(
+                **pools, groups=tuple(kv_groups), release=config.free_out_of_window_blocks
             )
-        else:
-            self.kv = KVCacheManager(
-                block_size=config.block_size,
-                num_gpu_blocks=config.num_gpu_blocks,
-                num_cpu_blocks=config.num_cpu_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                num_host_blocks=config.prefix_cache_cpu_blocks,
-                window=kv_window if config.free_out_of_window_blocks else 0,
+            if len(kv_groups) > 1
+            else KVCacheManager(
+                **pools, window=kv_window if config.free_out_of_window_blocks else 0
             )
+        )
         self.order = make_queue_order(config)
         self.fair_share = FairShareRounds()
         """Fair-share rounds of the clients with unfinished requests, kept either way;

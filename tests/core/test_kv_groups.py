@@ -12,44 +12,18 @@ from __future__ import annotations
 import pytest
 from support.harness import BS, check_outputs
 from support.kv_cases import make_child, make_seq, prefill
+from support.window_cases import TRACE, WINDOW, grow, simulate_windowed, window_config
 
 from scheduler_svc.core.kv_events import apply_events, external_hash
 from scheduler_svc.core.kv_groups import GroupedKVCacheManager
-from scheduler_svc.core.kv_manager import KVCacheManager
-from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, Simulation
+from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, SimResult, Simulation
 from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
 
-WINDOW = 10
-"""Keys a windowed layer reads: ends inside a block of BS (4) tokens."""
-
-TRACE = generate_trace(
-    60,
-    seed=5,
-    prompt_len=(4, 60),
-    output_len=(1, 60),
-    arrival_rate=4.0,
-    n_choices=(1, 1, 3),
-    eos_fraction=0.3,
-    abort_fraction=0.1,
-    shared_prefixes=3,
-    shared_prefix_len=12,
-)
-
 
 def config(**fields: object) -> SchedulerConfig:
-    base: dict[str, object] = {
-        "block_size": BS,
-        "num_gpu_blocks": 128,
-        "num_cpu_blocks": 96,
-        "max_num_seqs": 12,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 160,
-        "watermark": 0.0,
-        "long_prefill_token_threshold": 16,
-    }
-    base.update(fields)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    """Twice the sliding-window tests' blocks: blocks of one of two groups' layers."""
+    return window_config(**{"num_gpu_blocks": 128, "num_cpu_blocks": 96, **fields})
 
 
 def simulate(
@@ -58,20 +32,8 @@ def simulate(
     *,
     overlap: bool = False,
     acceptance: float | None = None,
-):
-    sim = Simulation(
-        TRACE,
-        cfg,
-        verify_kv=True,
-        check_invariants=True,
-        overlap=overlap,
-        proposal_acceptance=acceptance,
-        kv_groups=groups,
-    )
-    result = sim.run()
-    check_outputs(sim, result)
-    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
-    return result
+) -> SimResult:
+    return simulate_windowed(cfg, overlap=overlap, acceptance=acceptance, kv_groups=groups)
 
 
 @pytest.mark.parametrize("groups", [(0, WINDOW), (WINDOW, 0, WINDOW)])
@@ -159,13 +121,6 @@ def grouped_kv(num_gpu_blocks: int = 64, caching: bool = True) -> GroupedKVCache
         enable_prefix_caching=caching,
         groups=(0, 2 * BS + 2),
     )
-
-
-def grow(kv: KVCacheManager, seq, num_new: int) -> list[int]:
-    released = kv.slide(seq)
-    kv.append(seq, num_new)
-    seq.num_computed_tokens += num_new
-    return released
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -10,60 +10,22 @@ from __future__ import annotations
 import pytest
 from support.harness import BS, Harness, check_outputs
 from support.kv_cases import make_seq
+from support.window_cases import TRACE, WINDOW, grow, simulate_windowed, window_config
 
 from ipc.schema import SeqStatus
 from scheduler_svc.core.introspection import check_invariants
 from scheduler_svc.core.kv_manager import KVCacheManager
-from scheduler_svc.simulator import Simulation
+from scheduler_svc.simulator import SimResult, Simulation
 from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
 
-WINDOW = 10
-"""Keys a layer reads: ends inside a block of BS (4) tokens."""
-
-TRACE = generate_trace(
-    60,
-    seed=5,
-    prompt_len=(4, 60),
-    output_len=(1, 60),
-    arrival_rate=4.0,
-    n_choices=(1, 1, 3),
-    eos_fraction=0.3,
-    abort_fraction=0.1,
-    shared_prefixes=3,
-    shared_prefix_len=12,
-)
+config = window_config
 
 
-def config(**fields: object) -> SchedulerConfig:
-    base: dict[str, object] = {
-        "block_size": BS,
-        "num_gpu_blocks": 64,
-        "num_cpu_blocks": 48,
-        "max_num_seqs": 12,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 160,
-        "watermark": 0.0,
-        "long_prefill_token_threshold": 16,
-    }
-    base.update(fields)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
-
-
-def simulate(cfg: SchedulerConfig, *, window: int, overlap: bool, acceptance: float | None = None):
-    sim = Simulation(
-        TRACE,
-        cfg,
-        verify_kv=True,
-        check_invariants=True,
-        overlap=overlap,
-        proposal_acceptance=acceptance,
-        kv_window=window,
-    )
-    result = sim.run()
-    check_outputs(sim, result)
-    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
-    return result
+def simulate(
+    cfg: SchedulerConfig, *, window: int, overlap: bool, acceptance: float | None = None
+) -> SimResult:
+    return simulate_windowed(cfg, overlap=overlap, acceptance=acceptance, kv_window=window)
 
 
 @pytest.mark.parametrize(
@@ -96,14 +58,6 @@ def test_released_blocks_and_speculative_proposals(acceptance: float) -> None:
 def test_the_switch_turns_release_off() -> None:
     result = simulate(config(free_out_of_window_blocks=False), window=WINDOW, overlap=False)
     assert result.summary["released_blocks"] == 0
-
-
-def grow(kv: KVCacheManager, seq, num_new: int) -> list[int]:
-    """Schedule and compute ``num_new`` tokens of ``seq`` as the scheduler does."""
-    released = kv.slide(seq)
-    kv.append(seq, num_new)
-    seq.num_computed_tokens += num_new
-    return released
 
 
 @pytest.mark.parametrize("caching", [True, False])
