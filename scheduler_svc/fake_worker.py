@@ -6,7 +6,8 @@ prefix caching, preemption or forking (:meth:`FakeModel.reference_output`).
 
 The fake worker applies plans to the model runner's sequence state
 (:class:`ipc.plan_state.WorkerState`, with the same strict protocol checks) and keeps
-a fake KV cache holding, per slot, the token whose K/V a real cache would hold there.
+a fake KV cache holding, per slot, the token (and layer group) whose K/V a real cache
+would hold there.
 It runs a plan's copies in the worker's order, writes each scheduled token into its
 slot, and with ``verify_kv`` reads back every context slot the attention would read: a wrong
 block table, a missing copy-on-write or a bad swap fails loudly with the position.
@@ -31,6 +32,8 @@ from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 _MASK = (1 << 64) - 1
+Slot = tuple[int, int] | None
+"""A fake cache slot: the (token, layer group) whose K/V a real cache would hold there."""
 
 
 def _mix(x: int) -> int:
@@ -183,8 +186,9 @@ class FakeWorker:
         self.verify_kv = verify_kv
         self.groups = groups or (window,)
         self.null_block = num_gpu_blocks - 1 if any(self.groups) else None
-        self.gpu_kv: list[int] = [-1] * (num_gpu_blocks * block_size)
-        self.cpu_kv: list[int] = [-1] * (num_cpu_blocks * block_size)
+        # Per slot, the (token, layer group) whose K/V a real cache would hold there.
+        self.gpu_kv: list[Slot] = [None] * (num_gpu_blocks * block_size)
+        self.cpu_kv: list[Slot] = [None] * (num_cpu_blocks * block_size)
         self.state = WorkerState(block_size, len(self.groups))
         self.swapped_blocks = 0
 
@@ -193,7 +197,7 @@ class FakeWorker:
         """The sequences the worker holds, by id."""
         return self.state.seqs
 
-    def _copy(self, src: list[int], src_block: int, dst: list[int], dst_block: int) -> None:
+    def _copy(self, src: list[Slot], src_block: int, dst: list[Slot], dst_block: int) -> None:
         bs = self.block_size
         dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
 
@@ -222,7 +226,7 @@ class FakeWorker:
                     slot = self._slot(item.seq, position, group)
                     if slot // self.block_size == self.null_block:
                         raise WorkerStateError(f"position {position} stored in the null block")
-                    self.gpu_kv[slot] = item.seq.token_ids[position]
+                    self.gpu_kv[slot] = (item.seq.token_ids[position], group)
         if self.verify_kv:
             for item in batch:
                 self._verify(item.seq, item.start, item.end)
@@ -265,9 +269,9 @@ class FakeWorker:
             first = max(0, start - window + 1) if window else 0
             for position in range(first, context_len):
                 held = kv[self._slot(seq, position, group)]
-                if held != seq.token_ids[position]:
+                if held != (seq.token_ids[position], group):
                     raise WorkerStateError(
                         f"{seq.request_id}/{seq.sample_index}: KV at position {position} "
-                        f"(group {group}) holds token {held}, expected "
-                        f"{seq.token_ids[position]} (blocks {seq.block_ids})"
+                        f"(group {group}) holds {held}, expected "
+                        f"{(seq.token_ids[position], group)} (blocks {seq.block_ids})"
                     )

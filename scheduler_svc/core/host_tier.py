@@ -89,7 +89,8 @@ class HostPrefixTier:
         self.events: KVEventLog | None = None
         """Where the blocks the tier keeps and overwrites are recorded, when they are."""
         self.event_hash: dict[int, int] = {}
-        """While recording: tier block -> the content hash it was announced by."""
+        """While recording: tier block -> the content hash it was announced by (none for
+        a block kept without an event: a layer group's copy of announced content)."""
         self.num_demoted = 0
         self.num_dropped = 0
         """Evicted device blocks the tier had no unpinned block for."""
@@ -132,8 +133,9 @@ class HostPrefixTier:
         for block in self._lru:  # the least recently used block no step reads or fills
             if block not in self._pins and block not in filling:
                 del self.cached[self._lru.pop(block)]
-                if self.events is not None:
-                    self.events.removed("CPU", self.event_hash.pop(block))
+                announced = self.event_hash.pop(block, None)  # None: kept without an event
+                if self.events is not None and announced is not None:
+                    self.events.removed("CPU", announced)
                 return block
         return None
 

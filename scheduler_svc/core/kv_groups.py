@@ -196,7 +196,7 @@ class GroupedKVCacheManager(KVCacheManager):
     def find_host(self, seq: Sequence, hits: list) -> GroupHits:  # type: ignore[override,type-arg]
         """Host-tier blocks of ``seq``'s logical blocks after its device ``hits``, in a
         row: every full group's, and with windows the windowed groups' as far back as
-        the window of the whole hit reads (:attr:`null_block` before that)."""
+        the window of the whole hit reads (None before that: released)."""
         host = self.host
         if host is None or not host.cached or seq.request.params.prompt_logprobs is not None:
             return []
@@ -214,7 +214,7 @@ class GroupedKVCacheManager(KVCacheManager):
                 missing = index
             rows.append(row)
             if missing < max(start, self._held_from(index + 1)):
-                best = self._released_before(rows, start, index + 1)
+                best = self._released_before(rows, start, index + 1, None)
         return best
 
     def _held_from(self, num_blocks: int) -> int:
@@ -228,16 +228,19 @@ class GroupedKVCacheManager(KVCacheManager):
             max(0, (num_blocks * self.block_size - self.window + 1) // self.block_size),
         )
 
-    def _released_before(self, rows: list[list[int | None]], start: int, end: int) -> GroupHits:
+    def _released_before(
+        self, rows: list[list[int | None]], start: int, end: int, released: int | None
+    ) -> GroupHits:
         """``rows`` (logical blocks ``start`` on) up to ``end``, the windowed groups'
-        entries before the window of ``end`` blocks released."""
-        held_from, null, windowed = self._held_from(end), self.null_block, self.windowed
+        entries before the window of ``end`` blocks marked ``released`` (the null block
+        in device rows; None in host-tier rows, whose numbers are the CPU pool's)."""
+        held_from, windowed = self._held_from(end), self.windowed
         out = []
         for index, row in enumerate(rows[: end - start], start=start):
             entries = list(row)
             if index < held_from:
                 for g in windowed:
-                    entries[g] = null
+                    entries[g] = released
             out.append(tuple(entries))
         return out  # type: ignore[return-value]
 
@@ -314,19 +317,20 @@ class GroupedKVCacheManager(KVCacheManager):
         null, host = self.null_block, host or []
         # The windowed groups' entries before the window of the whole hit are released
         # (device hits past find_window's own, when host hits follow them).
-        rows = self._released_before([list(row) for row in hits], 0, len(hits) + len(host))
+        rows = self._released_before([list(row) for row in hits], 0, len(hits) + len(host), null)
         table = [b for row in rows for b in row]
         self.pool.share(b for b in table if b != null)
-        released = sum(1 for row in [*rows, *host] if null in row)  # leading ones
+        # Leading rows: device rows naming the null block, then host rows with None.
+        released = sum(1 for row in rows if null in row) + sum(1 for row in host if None in row)
         self.window_hits += bool(released)
         pairs: list[tuple[int, int]] = []
         if host:
             assert self.host is not None
-            tier = [b for row in host for b in row if b != null]
+            tier = [b for row in host for b in row if b is not None]
             self.host.pin(tier)  # before allocating: a demotion must not take them
             copied = self.pool.allocate(len(tier))
             fill = iter(copied)
-            table += [null if b == null else next(fill) for row in host for b in row]
+            table += [null if b is None else next(fill) for row in host for b in row]
             pairs = list(zip(tier, copied, strict=True))
             self.host.hit_tokens += len(host) * self.block_size
         seq.block_table = table

@@ -221,3 +221,56 @@ def test_groups_need_two_windows() -> None:
             block_size=BS, num_gpu_blocks=8, num_cpu_blocks=0, enable_prefix_caching=True,
             groups=(WINDOW,),
         )  # fmt: skip
+
+
+def test_host_hits_of_tier_blocks_numbered_like_the_null_block_are_copied() -> None:
+    """Tier blocks are CPU-pool numbers: one may equal the device null block's number,
+    and must still be copied, not taken for a released entry."""
+    kv = GroupedKVCacheManager(
+        block_size=BS, num_gpu_blocks=6, num_cpu_blocks=16, enable_prefix_caching=True,
+        groups=(0, 6), num_host_blocks=16,
+    )  # fmt: skip
+    assert kv.host is not None and kv.null_block in kv.host.blocks
+    prompts = [[100 * p + i for i in range(5)] for p in range(3)]  # a full block, a token
+    for tokens in prompts:
+        seq = make_seq(tokens)
+        prefill(kv, seq)
+        kv.free(seq)
+        blocks = kv.pool.allocate(kv.pool.num_free)  # every cached block demoted
+        kv.host.take_pending()
+        kv.pool.release(blocks)
+    for tokens in prompts:
+        seq = make_seq(tokens)
+        hits = kv.find_prefix(seq)
+        host = kv.find_host(seq, hits)
+        assert (hits, len(host)) == ([], 1)
+        copies = kv.admit(seq, hits, host)
+        assert [tier for tier, _ in copies] == list(host[0])  # both groups' blocks
+        assert kv.null_block not in seq.block_table and seq.num_released == 0
+        kv.free(seq)
+        kv.host.unpin(tier for tier, _ in copies)
+
+
+def test_the_host_tier_overwrites_a_block_kept_without_an_event() -> None:
+    """With KV events on, the tier keeps the other groups' blocks without events, and
+    overwriting one announces nothing."""
+    kv = GroupedKVCacheManager(
+        block_size=BS, num_gpu_blocks=16, num_cpu_blocks=8, enable_prefix_caching=True,
+        groups=(0, 6), num_host_blocks=2,
+    )  # fmt: skip
+    log = kv.record_events()
+    seq = make_seq(list(range(1, 14)))  # 3 full blocks: 6 device blocks over 2 groups
+    prefill(kv, seq)
+    kv.free(seq)
+    index: set[tuple[str, int]] = set()
+    for _ in range(kv.pool.num_free):  # one eviction a plan, the tier overwriting
+        kv.pool.allocate(1)
+        kv.host.take_pending()  # type: ignore[union-attr]
+        apply_events(index, log.take())
+        pool, host = kv.pool, kv.host
+        assert host is not None
+        announced = {h for h, block in pool.cached.items() if not pool.quiet[block]}
+        assert index == {("GPU", external_hash(h)) for h in announced} | {
+            ("CPU", external_hash(h)) for h in host.event_hash.values()
+        }
+    assert host.num_demoted > 2  # the tier of 2 overwrote blocks

@@ -32,11 +32,13 @@ class Harness:
         *,
         kv_bytes_per_block: int = 1 << 20,
         kv_window: int = 0,
+        kv_groups: tuple[int, ...] = (),
         **config: object,
     ) -> None:
         """``config``: SchedulerConfig fields over the defaults below; ``eos_at``: the
         fake model's EOS positions (request id -> 1-based output index); ``kv_window``:
-        the model's sliding window on every layer (a worker hello's)."""
+        the model's sliding window on every layer, ``kv_groups``: its layer groups'
+        windows (a worker hello's)."""
         defaults: dict[str, object] = {
             "block_size": BS,
             "num_gpu_blocks": 64,
@@ -57,15 +59,10 @@ class Harness:
             eos_token_ids=[self.model.eos_token_id],
             kv_bytes_per_block=kv_bytes_per_block,
             kv_window=kv_window,
+            kv_groups=kv_groups,
         )
-        self.worker = FakeWorker(
-            self.model,
-            block_size=self.cfg.block_size,
-            num_gpu_blocks=self.cfg.num_gpu_blocks or 0,
-            num_cpu_blocks=self.cfg.num_cpu_blocks,
-            verify_kv=True,
-            window=self.sched.kv.window,
-        )
+        self.kv_groups = kv_groups
+        self.worker = self.new_worker()
         self.engine = StepEngine(self.sched, InlineExecutor(self._execute), check_invariants=True)
         self.plans: list[BatchPlan] = []
         """Every plan :meth:`step` ran, in order."""
@@ -73,6 +70,20 @@ class Harness:
         """The fake worker's latest result."""
         self._last: StepOutput | None = None
         self.requests: dict[str, Request] = {}
+
+    def new_worker(self) -> FakeWorker:
+        """A fake worker for this scheduler's cache (its windows verified once the
+        scheduler gives blocks back behind them)."""
+        window = self.sched.kv.window
+        return FakeWorker(
+            self.model,
+            block_size=self.cfg.block_size,
+            num_gpu_blocks=self.cfg.num_gpu_blocks or 0,
+            num_cpu_blocks=self.cfg.num_cpu_blocks,
+            verify_kv=True,
+            window=window,
+            groups=tuple(w if window else 0 for w in self.kv_groups),
+        )
 
     def _execute(self, plan: BatchPlan) -> StepResult:
         self.result = self.worker.execute(plan)  # the current worker (restart_worker)
@@ -156,14 +167,7 @@ def rejected(h: Harness, request_id: str, prompt: int | list[int], **params: obj
 def restart_worker(h: Harness) -> None:
     """A new worker process: empty device cache, the shared-memory CPU pool kept."""
     cpu_kv = h.worker.cpu_kv
-    h.worker = FakeWorker(
-        h.model,
-        block_size=h.cfg.block_size,
-        num_gpu_blocks=h.cfg.num_gpu_blocks or 0,
-        num_cpu_blocks=h.cfg.num_cpu_blocks,
-        verify_kv=True,
-        window=h.sched.kv.window,
-    )
+    h.worker = h.new_worker()
     h.worker.cpu_kv = cpu_kv
 
 
