@@ -1,12 +1,13 @@
-"""KV memory that expeditor's single block table keeps for sliding-window layers.
+"""KV memory that one block table of whole blocks keeps for sliding-window layers.
 
-expeditor allocates one block table per sequence for all layers: a sequence of L tokens
-holds ceil(L / block_size) blocks in every layer. A sliding-window layer only ever reads
-the last ``window`` keys, so it needs at most ceil(window / block_size) + 1 of them
-(the window can straddle one more block). This prints, for a checkpoint's config.json
-or for the layer layouts of well-known published models, the share of the KV cache a
-long sequence holds beyond what its layers can read: what a per-layer-group allocator
-(vLLM's hybrid allocator) would give back.
+With one block table per sequence for all layers (``free_out_of_window_blocks`` off), a
+sequence of L tokens holds ceil(L / block_size) blocks in every layer. A sliding-window
+layer only ever reads the last ``window`` keys, so it needs at most
+ceil(window / block_size) + 1 of them (the window can straddle one more block). This
+prints, for a checkpoint's config.json or for the layer layouts of well-known published
+models, the share of the KV cache a long sequence holds beyond what its layers can
+read: what giving back windowed blocks (every layer windowed) or layer groups (windowed
+and full layers mixed, ``scheduler_svc/core/kv_groups.py``) recovers.
 
     .venv/bin/python benchmarks/sliding_window_memory.py                  # published layouts
     .venv/bin/python benchmarks/sliding_window_memory.py path/config.json ...
