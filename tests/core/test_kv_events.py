@@ -33,8 +33,8 @@ def harness(
     every layer."""
     h = Harness(
         enable_prefix_caching=True,
-        num_gpu_blocks=14,
-        num_cpu_blocks=32,
+        num_gpu_blocks=28 if groups else 14,  # blocks of one group's layers: twice as many
+        num_cpu_blocks=64 if groups else 32,
         prefix_cache_cpu_blocks=host_blocks,
         max_num_seqs=4,
         max_num_batched_tokens=24,
