@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 from gpu_worker import attention
 from gpu_worker.decoder import Decoder, load_decoder
 from gpu_worker.kv_cache import KVCache, KVLayout
+from gpu_worker.sampler import argmax
 from gpu_worker.staging import Staging
 from gpu_worker.step_inputs import StepInputs
 from ipc.plan_state import WorkerSeq
@@ -196,7 +197,7 @@ class DraftModel:
             index = self.staging.to_device({"rows": np.asarray(rows, dtype=np.int64)})["rows"]
             hidden = hidden.index_select(0, index)
         logits = self.decoder.logits(hidden)[:, : self.vocab_size]
-        return self.staging.to_host(logits.float().argmax(dim=-1))
+        return self.staging.to_host(argmax(logits))
 
 
 def _common_prefix(a: list[int], b: list[int], n: int) -> int:

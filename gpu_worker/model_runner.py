@@ -35,7 +35,7 @@ from gpu_worker.logits_shaping import History, bad_word_bans
 from gpu_worker.memory_budget import MemoryProfile, describe, kv_cache_blocks
 from gpu_worker.model_source import resolve_model
 from gpu_worker.prompt_logprobs import prompt_logprobs
-from gpu_worker.sampler import Sampler, sample_key
+from gpu_worker.sampler import Sampler, argmax, sample_key
 from gpu_worker.staging import Staging
 from gpu_worker.step_flops import StepFlops
 from gpu_worker.step_inputs import StepInputs, group_arrays
@@ -488,7 +488,7 @@ class ModelRunner:
         # All greedy, one sample each, nothing masked, no logprobs: the sampler's own
         # fast path (one argmax, one transfer), without building its per-row lists.
         logits = self.logits(self._rows(hidden, rows))
-        tokens: list[int] = self.staging.to_host(logits.float().argmax(dim=-1))
+        tokens: list[int] = self.staging.to_host(argmax(logits))
         sampled: dict[str, list[int]] = {}
         for seq_id, token in zip(owners, tokens, strict=True):
             sampled.setdefault(seq_id, []).append(token)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.sampler import argmax
+
 __all__ = ["SpecResult", "verify_proposals"]
 
 SpecResult = tuple[torch.Tensor, torch.Tensor]
@@ -55,7 +57,7 @@ def verify_proposals(
         if draft_probs is None
         else draft_probs.gather(2, picked[:, :, None]).squeeze(2)
     )
-    target_top = probs.argmax(dim=2)  # [R, K + 1]
+    target_top = argmax(probs)  # [R, K + 1]
     sampled_ok = u_accept * q < p  # accept with probability min(1, p / q)
     greedy_ok = proposals == target_top[:, :k]
     ok = torch.where(greedy[:, None], greedy_ok, sampled_ok) & real

@@ -12,6 +12,7 @@ import torch
 from gpu_worker.sampler import (
     SampleOutput,
     Sampler,
+    argmax,
     keyed_exponentials,
     open_unit,
     sample_key,
@@ -62,6 +63,24 @@ def test_greedy_equals_argmax(dtype: torch.dtype) -> None:
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 16
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 49_152])
+def test_greedy_ties_take_the_lowest_id(dtype: torch.dtype, vocab: int) -> None:
+    """Ties everywhere (four distinct values): the lowest id of each row's maximum, as
+    transformers' float32 argmax picks it, in the logits' own dtype and through the
+    sampler's fast path and its general one (a masked row)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (32, vocab), generator=g).to(dtype)
+    logits[0] = 1.0  # a row of one value: id 0
+    expected = logits.float().argmax(dim=-1).tolist()
+    assert expected[0] == 0 and len(set(expected)) > 1
+    assert argmax(logits).tolist() == expected
+    greedy = [SamplingParams(temperature=0)] * 32
+    assert sample(logits, greedy).token_ids == expected
+    masked = [()] * 31 + [(vocab + 1,)]  # an id beyond the vocabulary: the general path
+    assert sample(logits, greedy, masked=masked).token_ids == expected
 
 @pytest.mark.parametrize("temperature", [0.01, 0.7, 1.0, 5.0, 100.0])
 def test_top_k_1_is_greedy_at_any_temperature(temperature: float) -> None:
