@@ -77,8 +77,8 @@ class ModelConfig(Settings, frozen=True):
             description="KV cache's storage: auto = the model's dtype; int8, fp8_e4m3 or "
             "fp8_e5m2 = 8-bit codes with a float16 scale per token and KV head (about "
             "twice the tokens per byte of a 16-bit cache; the attention reads them "
-            "dequantized; the Triton kernels on CUDA, the torch backend on a CPU, whose "
-            "native kernel reads the model's dtype only).",
+            "dequantized: the Triton kernels on CUDA; on a CPU the native kernel for int8, "
+            "the torch backend for fp8).",
         ),
     ] = "auto"
     gpu_memory_utilization: Annotated[
