@@ -64,7 +64,6 @@ def test_greedy_equals_argmax(dtype: torch.dtype) -> None:
     assert out.logprobs == [None] * 16
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [5, 49_152])
 def test_greedy_ties_take_the_lowest_id(dtype: torch.dtype, vocab: int) -> None:
@@ -81,6 +80,7 @@ def test_greedy_ties_take_the_lowest_id(dtype: torch.dtype, vocab: int) -> None:
     assert sample(logits, greedy).token_ids == expected
     masked = [()] * 31 + [(vocab + 1,)]  # an id beyond the vocabulary: the general path
     assert sample(logits, greedy, masked=masked).token_ids == expected
+
 
 @pytest.mark.parametrize("temperature", [0.01, 0.7, 1.0, 5.0, 100.0])
 def test_top_k_1_is_greedy_at_any_temperature(temperature: float) -> None:
