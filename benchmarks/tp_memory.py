@@ -65,14 +65,23 @@ class RankReport:
     generate_s: float
 
 
-def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameter bytes, bytes of the distinct storages behind the parameters)."""
+def weight_bytes(runner: ModelRunner) -> tuple[int, int]:
+    """(parameter bytes, bytes of the distinct storages behind the parameters). A bf16
+    lean forward on a CPU holds its projections reordered for oneDNN (opaque tensors,
+    a storage each) and leaves the modules' weights on the meta device: those count."""
     params = 0
-    storages: dict[int, int] = {}
-    for p in model.parameters():
+    storages: dict[tuple[str, int], int] = {}
+    for p in runner.model.parameters():
+        if p.is_meta:
+            continue
         params += p.numel() * p.element_size()
         storage = p.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages["dense", storage.data_ptr()] = storage.nbytes()
+    if runner.lean is not None and runner.lean.unpacked is None:
+        for layer in runner.lean.layers:
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                params += w.numel() * w.element_size()
+                storages["packed", id(w)] = w.numel() * w.element_size()
     return params, sum(storages.values())
 
 
@@ -125,7 +134,7 @@ def rank_main(
         )
         runner = ModelRunner(settings, device=device, group=group)
         built = time.perf_counter()
-        params, storage = weight_bytes(runner.model)
+        params, storage = weight_bytes(runner)
         kv = runner.kv_cache.kv
         kv_bytes = kv.untyped_storage().nbytes()
         allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None

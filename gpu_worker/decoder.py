@@ -129,7 +129,8 @@ def load_decoder(
         if reason is None:
             lean = LeanDecoder(model, config, group)
             sharded = f", sharded over {world} ranks" if world > 1 else ""
-            note = f"lean (model type {config.model_type!r}{sharded})"
+            packed = ", weights reordered for oneDNN" if lean.unpacked is None else ""
+            note = f"lean (model type {config.model_type!r}{sharded}{packed})"
         else:
             note = f"transformers ({reason})"
     return Decoder(model, config, lean, note, logits_fn(model, config))

@@ -14,7 +14,11 @@ operations and a dozen module calls, each a few microseconds whatever the batch.
 
 * q, k and v come from one matmul over the three weights side by side, and so do the
   MLP's gate and up projections (the module's own weights become views of the fused
-  ones, so nothing is held twice and transformers' forward still reads them);
+  ones, so nothing is held twice and transformers' forward still reads them); in
+  bfloat16 on a CPU every projection's weight is then reordered once for oneDNN
+  (:mod:`gpu_worker.packed_linear`: the same products, bit for bit, without a reorder
+  per call) and the modules' own weights are released (left on the meta device, their
+  shapes kept): transformers' forward cannot run that model, and is not run;
 * the rotary embedding's cos/sin are computed once per step, and q and k rotate
   together as one [tokens, heads + kv_heads, head_dim] view;
 * no modules, masks or output objects: plain functions over the weights, and no host
@@ -54,6 +58,7 @@ from transformers import PretrainedConfig
 
 from gpu_worker.attention import StepMetadata, attend
 from gpu_worker.kernels.attention_args import AttentionParams, layer_params
+from gpu_worker.packed_linear import linear, pack, why_not_packed
 
 __all__ = ["LEAN_TYPES", "LeanDecoder", "why_not_lean"]
 
@@ -96,22 +101,22 @@ def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for ``linears`` side by side; each linear's own parameters
     become views of it."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
+    weight = torch.cat([module.weight.detach() for module in linears])
+    biases = [module.bias for module in linears]
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat(
             [
-                b.detach() if b is not None else weight.new_zeros(linear.out_features)
-                for b, linear in zip(biases, linears, strict=True)
+                b.detach() if b is not None else weight.new_zeros(module.out_features)
+                for b, module in zip(biases, linears, strict=True)
             ]
         )
     row = 0
-    for linear in linears:
-        rows = linear.out_features
-        linear.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
-        if linear.bias is not None and bias is not None:
-            linear.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
+    for module in linears:
+        rows = module.out_features
+        module.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if module.bias is not None and bias is not None:
+            module.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
         row += rows
     return weight, bias
 
@@ -120,11 +125,11 @@ def _norm(module: nn.Module) -> _Norm:
     return _Norm(module.weight.detach(), float(module.variance_epsilon))
 
 
-def _bias(linear: nn.Module) -> torch.Tensor | None:
+def _bias(module: nn.Module) -> torch.Tensor | None:
     """A projection's bias: a row-parallel one is ``tp_bias`` once sharded."""
-    bias = getattr(linear, "tp_bias", None)
+    bias = getattr(module, "tp_bias", None)
     if bias is None:
-        bias = linear.bias
+        bias = module.bias
     return None if bias is None else bias.detach()
 
 
@@ -147,7 +152,12 @@ class LeanDecoder:
     tensor-parallel group ``model`` is sharded over (None: one rank, unsharded)."""
 
     def __init__(
-        self, model: nn.Module, config: PretrainedConfig, group: ProcessGroup | None = None
+        self,
+        model: nn.Module,
+        config: PretrainedConfig,
+        group: ProcessGroup | None = None,
+        *,
+        pack_weights: bool = True,
     ) -> None:
         reason = why_not_lean(model, config)
         if reason is not None:
@@ -177,6 +187,25 @@ class LeanDecoder:
         self.rope_scaling = float(rotary.attention_scaling)
         self.norm = _norm(base.norm)
         self.layers = [self._layer(layer, config) for layer in base.layers]
+        self.unpacked: str | None = (
+            why_not_packed(self.embed.dtype, self.embed.device) if pack_weights else "not asked"
+        )
+        """Why the projections' weights stay dense (None: reordered for oneDNN)."""
+        if self.unpacked is None:
+            for lean, layer in zip(self.layers, base.layers, strict=True):
+                self._pack(lean, layer)
+
+    @staticmethod
+    def _pack(lean: _Layer, layer: nn.Module) -> None:
+        """Reorder a layer's projection weights for oneDNN and release the modules' own
+        (one layer at a time: at most one layer's weights are held twice)."""
+        lean.qkv, lean.o = pack(lean.qkv), pack(lean.o)
+        lean.gate_up, lean.down = pack(lean.gate_up), pack(lean.down)
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children()):
+            if isinstance(module, nn.Linear):
+                meta = torch.empty_like(module.weight, device="meta")
+                module.weight = nn.Parameter(meta, requires_grad=False)
 
     @staticmethod
     def _layer(layer: nn.Module, config: PretrainedConfig) -> _Layer:
@@ -219,8 +248,8 @@ class LeanDecoder:
         """A row-parallel projection: the rank's partial product, summed over the group,
         then the bias (once); a plain linear on one rank."""
         if self.group is None:
-            return F.linear(x, weight, bias)
-        out = F.linear(x, weight)
+            return linear(x, weight, bias)
+        out = linear(x, weight)
         dist.all_reduce(out, group=self.group)
         return out if bias is None else out + bias
 
@@ -235,7 +264,7 @@ class LeanDecoder:
         cos, sin = self.rotary(positions, x.dtype)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(tokens, rotated + kv_heads, head_dim)
+            qkv = linear(h, layer.qkv, layer.qkv_bias).view(tokens, rotated + kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat(
                     (
@@ -253,7 +282,7 @@ class LeanDecoder:
             )
             x = x + self._row_parallel(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.post_norm)
-            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
             h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = x + self._row_parallel(h, layer.down, layer.down_bias)
         return _rms_norm(x, self.norm)

@@ -92,10 +92,14 @@ def agrees_with(sampled: dict[str, list[int]], expected: list[list[int]]) -> boo
 
 
 def step_runner(
-    path: Path, model_impl: str, group: dist.ProcessGroup | None = None, **fields: object
+    path: Path,
+    model_impl: str,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float32,
+    **fields: object,
 ) -> ModelRunner:
-    """A float32 CPU runner of ``path`` sized for :data:`STEPS` (``fields``: more
-    settings, e.g. ``max_num_seqs``)."""
+    """A CPU runner of ``path`` (float32 unless ``dtype`` says) sized for :data:`STEPS`
+    (``fields``: more settings, e.g. ``max_num_seqs``)."""
     from gpu_worker.model_runner import ModelRunner
     from shared.worker_settings import WorkerSettings
 
@@ -107,4 +111,4 @@ def step_runner(
         model_impl=model_impl,
         **fields,
     )
-    return ModelRunner(settings, device=torch.device("cpu"), dtype=torch.float32, group=group)
+    return ModelRunner(settings, device=torch.device("cpu"), dtype=dtype, group=group)
