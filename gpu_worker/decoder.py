@@ -8,6 +8,7 @@ decoding (:mod:`gpu_worker.draft_model`) its own.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,4 +134,18 @@ def load_decoder(
             note = f"lean (model type {config.model_type!r}{sharded}{packed})"
         else:
             note = f"transformers ({reason})"
+    if torch.device(device).type == "cpu":
+        _return_freed_memory()
     return Decoder(model, config, lean, note, logits_fn(model, config))
+
+
+def _return_freed_memory() -> None:
+    """Hand back to the OS the pages that loading freed (the checkpoint's tensors as
+    read, the weights fused or reordered since), which glibc's heap keeps otherwise:
+    SmolLM2 in bf16 kept 157 MB of them dense, 225 MB with its weights reordered. Not
+    glibc (no ``malloc_trim``): nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
