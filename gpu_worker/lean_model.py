@@ -16,9 +16,9 @@ operations and a dozen module calls, each a few microseconds whatever the batch.
   MLP's gate and up projections (the module's own weights become views of the fused
   ones, so nothing is held twice and transformers' forward still reads them); in
   bfloat16 on a CPU every projection's weight is then reordered once for oneDNN
-  (:mod:`gpu_worker.packed_linear`: the same products, bit for bit, without a reorder
-  per call) and the modules' own weights are released (left on the meta device, their
-  shapes kept): transformers' forward cannot run that model, and is not run;
+  (:mod:`gpu_worker.packed_linear`: F.linear's products, without a reorder per call)
+  and the modules' own weights are released (left on the meta device, their shapes
+  kept): transformers' forward cannot run that model, and is not run;
 * the rotary embedding's cos/sin are computed once per step, and q and k rotate
   together as one [tokens, heads + kv_heads, head_dim] view;
 * no modules, masks or output objects: plain functions over the weights, and no host
