@@ -132,7 +132,8 @@ def rank_main(
             max_num_batched_tokens=max(len(PROMPT), 256),
             num_gpu_blocks=num_blocks,
         )
-        runner = ModelRunner(settings, device=device, group=group)
+        dtype = torch.float32 if device.type == "cpu" else None  # CUDA: bfloat16 (auto)
+        runner = ModelRunner(settings, device=device, dtype=dtype, group=group)
         built = time.perf_counter()
         params, storage = weight_bytes(runner)
         kv = runner.kv_cache.kv

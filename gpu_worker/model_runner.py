@@ -95,11 +95,13 @@ class ModelRunner:
     ) -> None:
         """Load ``settings.server.model`` (empty: the embedded tiny model) and size the
         cache and buffers by ``settings`` (:class:`~shared.worker_settings.WorkerSettings`,
-        taken whole), on ``device`` with ``dtype`` (default: bfloat16 on CUDA, float32
-        elsewhere). ``group``: this rank's tensor-parallel group; the model is then
-        sharded over it (:mod:`gpu_worker.tensor_parallel`) and the cache holds this
-        rank's KV heads. ``cuda_graphs``: capture decode steps, and verify
-        steps of ``num_speculative_tokens`` (:mod:`gpu_worker.cuda_graphs`), for up to
+        taken whole), on ``device`` with ``dtype`` (default: the settings' ``dtype``;
+        ``auto`` is bfloat16 on CUDA and on CPUs with bf16 arithmetic, float32
+        elsewhere: :func:`gpu_worker.dtype.resolve_dtype`). ``group``: this rank's
+        tensor-parallel group; the model is then sharded over it
+        (:mod:`gpu_worker.tensor_parallel`) and the cache holds this rank's KV heads.
+        ``cuda_graphs``: capture decode steps, and verify steps of
+        ``num_speculative_tokens`` (:mod:`gpu_worker.cuda_graphs`), for up to
         ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (capped by the
         checkpoint's limit); CUDA only, ignored elsewhere. ``num_gpu_blocks`` unset:
         sized from ``gpu_memory_utilization`` on CUDA, :data:`DEFAULT_CPU_BLOCKS` float32
