@@ -32,8 +32,8 @@ from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
 _MASK = (1 << 64) - 1
-Slot = tuple[int, int] | None
-"""A fake cache slot: the (token, layer group) whose K/V a real cache would hold there."""
+EMPTY = -1
+"""A fake cache slot never written."""
 
 
 def _mix(x: int) -> int:
@@ -186,9 +186,11 @@ class FakeWorker:
         self.verify_kv = verify_kv
         self.groups = groups or (window,)
         self.null_block = num_gpu_blocks - 1 if any(self.groups) else None
-        # Per slot, the (token, layer group) whose K/V a real cache would hold there.
-        self.gpu_kv: list[Slot] = [None] * (num_gpu_blocks * block_size)
-        self.cpu_kv: list[Slot] = [None] * (num_cpu_blocks * block_size)
+        # Per slot, the token and layer group whose K/V a real cache would hold there, as
+        # one int (:meth:`_held`: the token itself in a cache of one group, so a step
+        # stores the plan's own ints and allocates nothing).
+        self.gpu_kv: list[int] = [EMPTY] * (num_gpu_blocks * block_size)
+        self.cpu_kv: list[int] = [EMPTY] * (num_cpu_blocks * block_size)
         self.state = WorkerState(block_size, len(self.groups))
         self.swapped_blocks = 0
 
@@ -197,9 +199,14 @@ class FakeWorker:
         """The sequences the worker holds, by id."""
         return self.state.seqs
 
-    def _copy(self, src: list[Slot], src_block: int, dst: list[Slot], dst_block: int) -> None:
+    def _copy(self, src: list[int], src_block: int, dst: list[int], dst_block: int) -> None:
         bs = self.block_size
         dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
+
+    def _held(self, token: int, group: int) -> int:
+        """What a slot holds for ``token``'s K/V in layer group ``group``."""
+        groups = len(self.groups)
+        return token if groups == 1 else token * groups + group
 
     def _slot(self, seq: WorkerSeq, position: int, group: int = 0) -> int:
         bs = self.block_size
@@ -226,7 +233,7 @@ class FakeWorker:
                     slot = self._slot(item.seq, position, group)
                     if slot // self.block_size == self.null_block:
                         raise WorkerStateError(f"position {position} stored in the null block")
-                    self.gpu_kv[slot] = (item.seq.token_ids[position], group)
+                    self.gpu_kv[slot] = self._held(item.seq.token_ids[position], group)
         if self.verify_kv:
             for item in batch:
                 self._verify(item.seq, item.start, item.end)
@@ -269,9 +276,17 @@ class FakeWorker:
             first = max(0, start - window + 1) if window else 0
             for position in range(first, context_len):
                 held = kv[self._slot(seq, position, group)]
-                if held != (seq.token_ids[position], group):
+                if held != self._held(seq.token_ids[position], group):
                     raise WorkerStateError(
                         f"{seq.request_id}/{seq.sample_index}: KV at position {position} "
-                        f"(group {group}) holds {held}, expected "
-                        f"{(seq.token_ids[position], group)} (blocks {seq.block_ids})"
+                        f"(group {group}) holds {self._describe(held)}, expected token "
+                        f"{seq.token_ids[position]} (blocks {seq.block_ids})"
                     )
+
+    def _describe(self, held: int) -> str:
+        groups = len(self.groups)
+        if held == EMPTY:
+            return "nothing"
+        if groups == 1:
+            return f"token {held}"
+        return f"token {held // groups} of group {held % groups}"

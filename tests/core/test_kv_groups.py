@@ -14,6 +14,7 @@ from support.harness import BS, check_outputs
 from support.kv_cases import make_child, make_seq, prefill
 from support.window_cases import TRACE, WINDOW, grow, simulate_windowed, window_config
 
+from ipc.plan_state import WorkerStateError
 from scheduler_svc.core.kv_events import apply_events, external_hash
 from scheduler_svc.core.kv_groups import GroupedKVCacheManager
 from scheduler_svc.simulator import DEFAULT_KV_BYTES_PER_BLOCK, SimResult, Simulation
@@ -274,3 +275,24 @@ def test_the_host_tier_overwrites_a_block_kept_without_an_event() -> None:
             ("CPU", external_hash(h)) for h in host.event_hash.values()
         }
     assert host.num_demoted > 2  # the tier of 2 overwrote blocks
+
+
+def test_the_fake_worker_tells_the_groups_apart() -> None:
+    """The check the trace tests rest on: a table whose two groups' blocks trade places
+    (each still holding the right tokens, of the other group) fails the next read."""
+    cfg = config(free_out_of_window_blocks=False)  # both groups keep every block
+    sim = Simulation(TRACE, cfg, verify_kv=True, check_invariants=True, kv_groups=(0, WINDOW))
+    swapped: list[str] = []
+
+    def swap_groups(_: object) -> None:
+        if swapped:
+            return
+        for seq_id, seq in sim.worker.state.seqs.items():
+            if len(seq.block_ids) >= 2 and seq.num_computed_tokens >= BS:
+                seq.block_ids[0], seq.block_ids[1] = seq.block_ids[1], seq.block_ids[0]
+                swapped.append(seq_id)
+                return
+
+    with pytest.raises(WorkerStateError, match=r"\(group [01]\) holds token \d+ of group [01]"):
+        sim.run(on_step=swap_groups)
+    assert swapped
