@@ -248,6 +248,15 @@ def _runner_worker(rank: int, port: int, paths: dict[str, str], out: str) -> Non
                     "hidden": hidden,
                     "tokens": tokens,
                 }
+            if name == BIASED:  # in bf16 too: the projections reordered for oneDNN
+                runner = step_runner(Path(path), "auto", dist.group.WORLD, dtype=torch.bfloat16)
+                hidden, tokens = run_steps(runner)
+                result["bf16"] = {
+                    "note": runner.model_impl_note,
+                    "unpacked": None if runner.lean is None else runner.lean.unpacked,
+                    "hidden": hidden,
+                    "tokens": tokens,
+                }
             torch.save(result, Path(out) / f"{name}-{rank}.pt")
             os.environ.pop("EXPEDITOR_FORCE_TRITON", None)
     finally:
@@ -290,6 +299,24 @@ def test_the_lean_forward_runs_on_every_rank_and_is_exact(
         assert torch.equal(ours, theirs)
     expected = hf_greedy(path, list(PROMPTS.values()), 8)
     assert agrees_with(ranks[0]["auto"]["tokens"], expected), ranks[0]["auto"]["tokens"]
+
+
+def test_reordered_bf16_weights_shard_over_the_group(runners: dict[str, Any]) -> None:
+    """The biased llama in bf16 at TP=2: every rank's lean forward reorders its shards
+    for oneDNN, the ranks end every step with the same hidden states, and those are the
+    unsharded bf16 forward's to bf16's rounding of the partial sums (the same tokens)."""
+    ranks = [result["bf16"] for result in runners["results"][BIASED]]
+    for rank in ranks:
+        assert rank["unpacked"] is None
+        assert rank["note"].endswith(f"sharded over {WORLD} ranks, weights reordered for oneDNN)")
+    for ours, theirs in zip(ranks[0]["hidden"], ranks[1]["hidden"], strict=True):
+        assert torch.equal(ours, theirs)
+    alone = step_runner(runners["paths"][BIASED], "auto", None, dtype=torch.bfloat16)
+    assert alone.lean is not None and alone.lean.unpacked is None
+    reference, reference_tokens = run_steps(alone)
+    for ours, theirs in zip(ranks[0]["hidden"], reference, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.05, atol=0.1)
+    assert ranks[0]["tokens"] == reference_tokens
 
 
 def _llama(**overrides: int) -> LlamaConfig:
