@@ -78,10 +78,9 @@ def weight_bytes(runner: ModelRunner) -> tuple[int, int]:
         storage = p.untyped_storage()
         storages["dense", storage.data_ptr()] = storage.nbytes()
     if runner.lean is not None and runner.lean.unpacked is None:
-        for layer in runner.lean.layers:
-            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                params += w.numel() * w.element_size()
-                storages["packed", id(w)] = w.numel() * w.element_size()
+        for w in runner.lean.projection_weights():
+            params += w.numel() * w.element_size()
+            storages["packed", id(w)] = w.numel() * w.element_size()
     return params, sum(storages.values())
 
 

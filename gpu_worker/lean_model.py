@@ -60,10 +60,12 @@ from gpu_worker.attention import StepMetadata, attend
 from gpu_worker.kernels.attention_args import AttentionParams, layer_params
 from gpu_worker.packed_linear import linear, pack, why_not_packed
 
-__all__ = ["LEAN_TYPES", "LeanDecoder", "why_not_lean"]
+__all__ = ["LEAN_TYPES", "PROJECTIONS", "LeanDecoder", "why_not_lean"]
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose layers :class:`LeanDecoder` computes."""
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""A layer's projection weights (fields of its ``_Layer``): what is reordered for oneDNN."""
 
 
 @dataclass(slots=True)
@@ -199,13 +201,17 @@ class LeanDecoder:
     def _pack(lean: _Layer, layer: nn.Module) -> None:
         """Reorder a layer's projection weights for oneDNN and release the modules' own
         (one layer at a time: at most one layer's weights are held twice)."""
-        lean.qkv, lean.o = pack(lean.qkv), pack(lean.o)
-        lean.gate_up, lean.down = pack(lean.gate_up), pack(lean.down)
+        for name in PROJECTIONS:
+            setattr(lean, name, pack(getattr(lean, name)))
         attn, mlp = layer.self_attn, layer.mlp
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children()):
             if isinstance(module, nn.Linear):
                 meta = torch.empty_like(module.weight, device="meta")
                 module.weight = nn.Parameter(meta, requires_grad=False)
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """Every layer's :data:`PROJECTIONS` weights (dense, or reordered for oneDNN)."""
+        return [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
 
     @staticmethod
     def _layer(layer: nn.Module, config: PretrainedConfig) -> _Layer:

@@ -185,13 +185,14 @@ class FakeWorker:
         self.block_size = block_size
         self.verify_kv = verify_kv
         self.groups = groups or (window,)
+        self.num_groups = len(self.groups)
         self.null_block = num_gpu_blocks - 1 if any(self.groups) else None
         # Per slot, the token and layer group whose K/V a real cache would hold there, as
         # one int (:meth:`_held`: the token itself in a cache of one group, so a step
         # stores the plan's own ints and allocates nothing).
         self.gpu_kv: list[int] = [EMPTY] * (num_gpu_blocks * block_size)
         self.cpu_kv: list[int] = [EMPTY] * (num_cpu_blocks * block_size)
-        self.state = WorkerState(block_size, len(self.groups))
+        self.state = WorkerState(block_size, self.num_groups)
         self.swapped_blocks = 0
 
     @property
@@ -205,12 +206,12 @@ class FakeWorker:
 
     def _held(self, token: int, group: int) -> int:
         """What a slot holds for ``token``'s K/V in layer group ``group``."""
-        groups = len(self.groups)
+        groups = self.num_groups
         return token if groups == 1 else token * groups + group
 
     def _slot(self, seq: WorkerSeq, position: int, group: int = 0) -> int:
         bs = self.block_size
-        index = position // bs * len(self.groups) + group
+        index = position // bs * self.num_groups + group
         if index >= len(seq.block_ids):
             raise WorkerStateError(f"position {position} beyond the block table {seq.block_ids}")
         return seq.block_ids[index] * bs + position % bs
@@ -229,7 +230,7 @@ class FakeWorker:
         # Forward: store every new token's K/V, then let attention read the contexts.
         for item in batch:
             for position in item.positions:
-                for group in range(len(self.groups)):
+                for group in range(self.num_groups):
                     slot = self._slot(item.seq, position, group)
                     if slot // self.block_size == self.null_block:
                         raise WorkerStateError(f"position {position} stored in the null block")
@@ -284,7 +285,7 @@ class FakeWorker:
                     )
 
     def _describe(self, held: int) -> str:
-        groups = len(self.groups)
+        groups = self.num_groups
         if held == EMPTY:
             return "nothing"
         if groups == 1:

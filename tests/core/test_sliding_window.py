@@ -8,7 +8,7 @@ holds is the window's blocks, not its context's.
 from __future__ import annotations
 
 import pytest
-from support.harness import BS, Harness, check_outputs
+from support.harness import BS, Harness, checked_run
 from support.kv_cases import make_seq
 from support.window_cases import TRACE, WINDOW, grow, simulate_windowed, window_config
 
@@ -206,16 +206,8 @@ while the later ones stay cached, so later requests hit only what the window rea
 
 @pytest.mark.parametrize(("overlap", "mode"), [(False, "swap"), (True, "recompute")])
 def test_prefix_hits_on_only_the_windows_blocks_keep_every_output(overlap: bool, mode: str) -> None:
-    sim = Simulation(
-        WINDOW_HIT_TRACE,
-        config(preemption_mode=mode, num_gpu_blocks=40),
-        verify_kv=True,
-        check_invariants=True,
-        overlap=overlap,
-        kv_window=WINDOW,
-    )
-    result = sim.run()
-    check_outputs(sim, result)
+    cfg = config(preemption_mode=mode, num_gpu_blocks=40)
+    sim, result = checked_run(WINDOW_HIT_TRACE, cfg, overlap=overlap, kv_window=WINDOW)
     assert sim.scheduler.kv.window_hits > 10
     assert sum(result.summary["preemptions"].values()) > 0
 

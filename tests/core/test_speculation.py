@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from support.harness import BS, Harness, check_outputs, restart_worker
+from support.harness import (
+    BS,
+    Harness,
+    checked_run,
+    mixed_trace,
+    restart_worker,
+    trace_config,
+)
 
 from ipc.schema import SeqStatus, StepResult
 from scheduler_svc.core.introspection import check_invariants
@@ -23,8 +30,6 @@ from scheduler_svc.core.speculation import (
 )
 from scheduler_svc.core.step_records import WorkerProtocolError
 from scheduler_svc.fake_worker import FakeProposer
-from scheduler_svc.simulator import Simulation
-from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
 from shared.outputs import FinishReason
 
@@ -35,49 +40,14 @@ def speculating(acceptance: float, eos_at: dict[str, int] | None = None, **confi
     return h
 
 
-def trace_config(**fields: object) -> SchedulerConfig:
-    base: dict[str, object] = {
-        "block_size": BS,
-        "num_gpu_blocks": 56,
-        "num_cpu_blocks": 48,
-        "max_num_seqs": 12,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 128,
-        "watermark": 0.0,
-    }
-    base.update(fields)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
-
-
-TRACE = generate_trace(
-    60,
-    seed=3,
-    prompt_len=(4, 40),
-    output_len=(1, 40),
-    arrival_rate=4.0,
-    n_choices=(1, 1, 3),
-    eos_fraction=0.3,
-    abort_fraction=0.1,
-    shared_prefixes=3,
-    shared_prefix_len=12,
-)
+TRACE = mixed_trace(seed=3, longest=40)
 
 
 def simulate(
     config: SchedulerConfig, *, overlap: bool, acceptance: float | None, drafted: bool = False
 ):
-    sim = Simulation(
-        TRACE,
-        config,
-        verify_kv=True,
-        check_invariants=True,
-        overlap=overlap,
-        proposal_acceptance=acceptance,
-        drafted=drafted,
-    )
-    result = sim.run()
-    check_outputs(sim, result)
-    return result
+    options = {"overlap": overlap, "proposal_acceptance": acceptance, "drafted": drafted}
+    return checked_run(TRACE, config, **options)[1]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ steps build their own :class:`StepEngine` on ``h.sched`` and ``h.worker``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ipc.schema import BatchPlan, StepResult
@@ -17,8 +19,9 @@ from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
-from scheduler_svc.simulator import SimResult, Simulation
+from scheduler_svc.simulator import SimResult, Simulation, TraceRequest
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
+from scheduler_svc.traces import generate_trace
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
@@ -156,6 +159,52 @@ class Harness:
                 tokens, reason = self.reference(request, seq.sample_index)
                 assert seq.output_token_ids == tokens, seq.seq_id
                 assert seq.finish_reason == reason, seq.seq_id
+
+
+def trace_config(**fields: object) -> SchedulerConfig:
+    """The scheduler of the trace tests run through :class:`Simulation`: blocks of BS
+    tokens, 56 of them on the device and 48 in the CPU pool, 12 sequences, 48 tokens a
+    step, contexts of 128, no watermark; ``fields`` over those."""
+    base: dict[str, object] = {
+        "block_size": BS,
+        "num_gpu_blocks": 56,
+        "num_cpu_blocks": 48,
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 128,
+        "watermark": 0.0,
+    }
+    return SchedulerConfig(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def checked_run(
+    trace: list[TraceRequest], cfg: SchedulerConfig, **options: Any
+) -> tuple[Simulation, SimResult]:
+    """``trace`` through the scheduler and the fake worker (``options``: Simulation's),
+    every K/V slot a step reads verified and every invariant checked each step; every
+    output exact and no block left over."""
+    sim = Simulation(trace, cfg, verify_kv=True, check_invariants=True, **options)
+    result = sim.run()
+    check_outputs(sim, result)
+    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
+    return sim, result
+
+
+def mixed_trace(seed: int, longest: int) -> list[TraceRequest]:
+    """60 requests for the trace tests: prompts of 4 to ``longest`` tokens, answers of 1
+    to ``longest``, n of 1 or 3, EOS and aborts, three shared 12-token prefixes."""
+    return generate_trace(
+        60,
+        seed=seed,
+        prompt_len=(4, longest),
+        output_len=(1, longest),
+        arrival_rate=4.0,
+        n_choices=(1, 1, 3),
+        eos_fraction=0.3,
+        abort_fraction=0.1,
+        shared_prefixes=3,
+        shared_prefix_len=12,
+    )
 
 
 def rejected(h: Harness, request_id: str, prompt: int | list[int], **params: object):

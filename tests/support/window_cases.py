@@ -6,42 +6,21 @@ from __future__ import annotations
 
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.request import Sequence
-from scheduler_svc.simulator import SimResult, Simulation
-from scheduler_svc.traces import generate_trace
+from scheduler_svc.simulator import SimResult
 from shared.config import SchedulerConfig
-from support.harness import BS, check_outputs
+from support.harness import checked_run, mixed_trace, trace_config
 
 WINDOW = 10
 """Keys a windowed layer reads: ends inside a block of BS (4) tokens."""
 
-TRACE = generate_trace(
-    60,
-    seed=5,
-    prompt_len=(4, 60),
-    output_len=(1, 60),
-    arrival_rate=4.0,
-    n_choices=(1, 1, 3),
-    eos_fraction=0.3,
-    abort_fraction=0.1,
-    shared_prefixes=3,
-    shared_prefix_len=12,
-)
+TRACE = mixed_trace(seed=5, longest=60)
 
 
 def window_config(**fields: object) -> SchedulerConfig:
-    """64 device and 48 CPU blocks of BS tokens unless ``fields`` say otherwise."""
-    base: dict[str, object] = {
-        "block_size": BS,
-        "num_gpu_blocks": 64,
-        "num_cpu_blocks": 48,
-        "max_num_seqs": 12,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 160,
-        "watermark": 0.0,
-        "long_prefill_token_threshold": 16,
-    }
-    base.update(fields)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    """The trace tests' scheduler with 64 device blocks, contexts of 160 and prefill
+    chunks of 16, unless ``fields`` say otherwise."""
+    windowed = {"num_gpu_blocks": 64, "max_model_len": 160, "long_prefill_token_threshold": 16}
+    return trace_config(**{**windowed, **fields})
 
 
 def simulate_windowed(
@@ -54,20 +33,8 @@ def simulate_windowed(
 ) -> SimResult:
     """:data:`TRACE` through the scheduler and the fake worker (every K/V slot a window
     reads verified, invariants every step); outputs exact and no block left over."""
-    sim = Simulation(
-        TRACE,
-        cfg,
-        verify_kv=True,
-        check_invariants=True,
-        overlap=overlap,
-        proposal_acceptance=acceptance,
-        kv_window=kv_window,
-        kv_groups=kv_groups,
-    )
-    result = sim.run()
-    check_outputs(sim, result)
-    assert result.summary["leftover_blocks"] == {"gpu_in_use": 0, "cpu_in_use": 0}
-    return result
+    options = {"overlap": overlap, "proposal_acceptance": acceptance}
+    return checked_run(TRACE, cfg, **options, kv_window=kv_window, kv_groups=kv_groups)[1]
 
 
 def grow(kv: KVCacheManager, seq: Sequence, num_new: int) -> list[int]:

@@ -66,8 +66,7 @@ def test_packed_lean_forward_is_the_dense_one(
     packed = step_runner(path, "auto", dtype=torch.bfloat16)
     assert packed.lean is not None and packed.lean.unpacked is None
     assert packed.model_impl_note.endswith(", weights reordered for oneDNN)")
-    layer = packed.lean.layers[0]
-    assert all(w.is_mkldnn for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert all(w.is_mkldnn for w in packed.lean.projection_weights())
     for module in packed.model.model.layers:  # released: shapes kept, no memory
         attn, mlp = module.self_attn, module.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
@@ -78,7 +77,8 @@ def test_packed_lean_forward_is_the_dense_one(
     dense = step_runner(path, "auto", dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     dense.lean = dense.decoder.lean = LeanDecoder(model, model.config, pack_weights=False)
-    assert dense.lean.unpacked == "not asked" and not dense.lean.layers[0].qkv.is_mkldnn
+    assert dense.lean.unpacked == "not asked"
+    assert not any(w.is_mkldnn for w in dense.lean.projection_weights())
     assert dense.flops.per_token == packed.flops.per_token
 
     packed_hidden, packed_tokens = run_steps(packed)
