@@ -21,14 +21,18 @@ operations and a dozen module calls, each a few microseconds whatever the batch.
   kept): transformers' forward cannot run that model, and is not run;
 * the rotary embedding's cos/sin are computed once per step, and q and k rotate
   together as one [tokens, heads + kv_heads, head_dim] view;
+* the elementwise operations (residual add with RMSNorm, rotary, SiLU-gated product)
+  are :mod:`gpu_worker.layer_ops`': transformers' own sequences in torch, or in bfloat16
+  on a CPU one pass each in C;
 * no modules, masks or output objects: plain functions over the weights, and no host
   reads, so a decode step's forward is captured whole in a CUDA graph
   (:mod:`gpu_worker.cuda_graphs` captures whatever forward the runner runs).
 
 Each operation is the one transformers runs (RMSNorm in float32 as
 ``pow -> mean -> rsqrt``, ``q * cos + rotate_half(q) * sin``, SiLU-gated MLP,
-residual adds), so the outputs agree up to float rounding of the fused matmuls; the
-oracle tests compare its greedy tokens with transformers'.
+residual adds; the C passes round where those round), so the outputs agree up to float
+rounding of the fused matmuls; the oracle tests compare its greedy tokens with
+transformers'.
 
 Tensor parallelism: :func:`gpu_worker.tensor_parallel.shard_model` has already left
 each module holding the rank's shard (q/k/v and gate/up column-parallel, o and down
@@ -58,6 +62,7 @@ from transformers import PretrainedConfig
 
 from gpu_worker.attention import StepMetadata, attend
 from gpu_worker.kernels.attention_args import AttentionParams, layer_params
+from gpu_worker.layer_ops import Norm, TorchOps, choose_ops, rms_norm
 from gpu_worker.packed_linear import linear, pack, why_not_packed
 
 __all__ = ["LEAN_TYPES", "PROJECTIONS", "LeanDecoder", "why_not_lean"]
@@ -69,35 +74,21 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(slots=True)
-class _Norm:
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(slots=True)
 class _Layer:
-    input_norm: _Norm
+    input_norm: Norm
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    q_norm: _Norm | None
-    k_norm: _Norm | None
+    q_norm: Norm | None
+    k_norm: Norm | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: _Norm
+    post_norm: Norm
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
     attention: AttentionParams
     """Its scale and window (no soft-capping in these models)."""
-
-
-def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
-    """transformers' RMSNorm, operation for operation (in float32, back to x's dtype)."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return norm.weight * x.to(dtype)
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,8 +114,8 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-def _norm(module: nn.Module) -> _Norm:
-    return _Norm(module.weight.detach(), float(module.variance_epsilon))
+def _norm(module: nn.Module) -> Norm:
+    return Norm(module.weight.detach(), float(module.variance_epsilon))
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
@@ -160,6 +151,7 @@ class LeanDecoder:
         group: ProcessGroup | None = None,
         *,
         pack_weights: bool = True,
+        native_ops: bool = True,
     ) -> None:
         reason = why_not_lean(model, config)
         if reason is not None:
@@ -193,6 +185,12 @@ class LeanDecoder:
             why_not_packed(self.embed.dtype, self.embed.device) if pack_weights else "not asked"
         )
         """Why the projections' weights stay dense (None: reordered for oneDNN)."""
+        self.ops, self.ops_note = (
+            choose_ops(self.embed.dtype, self.embed.device)
+            if native_ops
+            else (TorchOps(), "torch (not asked)")
+        )
+        """The elementwise operations (:mod:`gpu_worker.layer_ops`), and why those."""
         if self.unpacked is None:
             for lean, layer in zip(self.layers, base.layers, strict=True):
                 self._pack(lean, layer)
@@ -266,29 +264,28 @@ class LeanDecoder:
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rotated = heads + kv_heads
-        half = head_dim // 2
         cos, sin = self.rotary(positions, x.dtype)
+        ops, residual = self.ops, None
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm)
+            x, h = ops.add_rms_norm(x, residual, layer.input_norm)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(tokens, rotated + kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat(
                     (
-                        _rms_norm(qkv[:, :heads], layer.q_norm),
-                        _rms_norm(qkv[:, heads:rotated], layer.k_norm),
+                        rms_norm(qkv[:, :heads], layer.q_norm),
+                        rms_norm(qkv[:, heads:rotated], layer.k_norm),
                     ),
                     dim=1,
                 )
             else:
                 qk = qkv[:, :rotated]
-            turned = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + turned * sin
+            qk = ops.rotate(qk, cos, sin)
             out = attend(
                 meta, index, qk[:, :heads], qk[:, heads:], qkv[:, rotated:], layer.attention
             )
-            x = x + self._row_parallel(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
-            h = _rms_norm(x, layer.post_norm)
+            o = self._row_parallel(out.reshape(tokens, heads * head_dim), layer.o, layer.o_bias)
+            x, h = ops.add_rms_norm(x, o, layer.post_norm)
             gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-            h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            x = x + self._row_parallel(h, layer.down, layer.down_bias)
-        return _rms_norm(x, self.norm)
+            h = ops.silu_mul(gate_up, self.intermediate)
+            residual = self._row_parallel(h, layer.down, layer.down_bias)
+        return ops.add_rms_norm(x, residual, self.norm)[1]

@@ -8,30 +8,19 @@ heads of their KV head, with an online softmax (windows and soft-capping too), w
 once in vectors of 16 floats that ``-march=native`` maps onto the machine's registers
 (in bfloat16 with AVX-512 BF16 the scores are its dot products: :data:`FEATURES`); an
 int8 cache's tiles are dequantized as they are read. A call's sequences are spread over
-torch's own OpenMP threads (:data:`OPENMP`). A sequence with more than
+torch's own OpenMP threads (``native_build.OPENMP``). A sequence with more than
 :data:`PROMPT_ROWS` query rows (a prompt chunk) attends through the torch backend's
 groups instead, where SDPA's blocked matmuls beat the kernel's vector-at-a-time scores,
 except in a soft-capped layer (SDPA cannot cap). The plan makes that split once per
 step, and checks every index the kernel will follow (the kernel trusts them), in the
-int32/int64 copies the kernel then reads.
-
-Build: the first worker on a machine compiles the source with the system C compiler
-(``$CC``, else ``cc``/``gcc``/``clang``) into ``kernels/`` of expeditor's cache directory
-(``$EXPEDITOR_CACHE_DIR``, else ``~/.cache/expeditor``), named by a hash of the source,
-flags, compiler and CPU, so later workers load it in milliseconds; a build is written
-under a temporary name and renamed, so concurrent workers never load half a file.
+int32/int64 copies the kernel then reads. The library is built once per machine
+(:mod:`gpu_worker.kernels.native_build`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,23 +38,11 @@ from gpu_worker.attention.torch_backend import (
     store_layer,
 )
 from gpu_worker.kernels.attention_args import AttentionParams
+from gpu_worker.kernels.native_build import build
 from gpu_worker.kernels.warmup import CacheLayout
-from shared.paths import cache_dir
 
-__all__ = ["NativeBackend", "NativeKernels", "NativeStep", "build", "check_step", "load"]
+__all__ = ["NativeBackend", "NativeKernels", "NativeStep", "check_step", "load"]
 
-SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention_cpu.c"
-FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math")
-FLAGS += ("-fno-signed-zeros", "-fno-trapping-math")
-"""Reassociation lets the compiler vectorise the sums; infinities keep their meaning."""
-TUNE = ("-march=native",)
-"""Tried first (the kernel runs where it is built); dropped if the compiler refuses."""
-OPENMP = ("-fopenmp",)
-"""The sequences of a call spread over OpenMP threads; tried first, dropped if the
-compiler has no OpenMP. The library names ``libgomp.so.1``, which torch (GNU OpenMP on
-Linux) has loaded by then, so the kernel runs on torch's own thread pool: as many
-threads as ``torch.set_num_threads`` gave, and the ones a matmul just left spinning,
-where a thread of the kernel's own would compete with them for the cores."""
 MAX_HEAD_DIM = 256
 """The kernel's limit (``MAX_HEAD_DIM`` in the source)."""
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -73,59 +50,11 @@ SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"), (8, "openmp"))
 """``expeditor_kernel_features()``'s bits, what the build targets: AVX2 and FMA (a
 16-float vector in two registers), AVX-512 (in one), AVX-512 BF16 dot products
-(``vdpbf16ps``) for a bf16 layer's scores, a call's sequences over :data:`OPENMP`
-threads; none: SSE vectors."""
+(``vdpbf16ps``) for a bf16 layer's scores, a call's sequences over OpenMP threads;
+none: SSE vectors."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-def _compiler() -> str | None:
-    names = (os.environ.get("CC"), "cc", "gcc", "clang")
-    return next((c for c in names if c and shutil.which(c)), None)
-
-
-def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"{command[0]} did not run: {exc}") from None
-
-
-def _cpu_id() -> bytes:
-    """What ``-march=native`` compiled for: the machine, the CPU's model and feature flags."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    wanted = ("model name", "flags", "Features", "CPU part")
-    kept = sorted({line for line in lines if line.startswith(wanted)})
-    return "\n".join([platform.machine(), platform.processor(), *kept]).encode()
-
-
-def build(directory: Path | None = None) -> Path:
-    """The compiled library, built if this machine has none yet (``RuntimeError``: why not)."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
-    directory = directory or cache_dir() / "kernels"
-    version = _run([compiler, "--version"], 30).stdout.encode()
-    errors = []
-    for flags in ((*FLAGS, *OPENMP, *TUNE), (*FLAGS, *TUNE), FLAGS):
-        key = b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, _cpu_id()])
-        target = directory / f"paged_attention_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
-        if target.exists():
-            return target
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-        os.close(fd)
-        try:
-            done = _run([compiler, *flags, "-o", partial, str(SOURCE), "-lm"], 300)
-            if done.returncode == 0:
-                os.replace(partial, target)
-                return target
-            errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-500:]}")
-        finally:
-            Path(partial).unlink(missing_ok=True)
-    raise RuntimeError("the C compiler failed: " + " | ".join(errors))
 
 
 class NativeKernels:

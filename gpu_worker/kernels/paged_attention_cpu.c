@@ -2,10 +2,8 @@
  * the design): per sequence, its query vectors attend in tiles of 16 consecutive keys
  * with an online softmax, accumulating in float32, several KV heads side by side so that
  * each tile's key and value rows are read once for all the vectors of a head. Written
- * once, in GCC vector extensions of 16 floats (one AVX-512 register, two AVX2 ones, four
- * SSE ones: the build's -march decides), with a polynomial exponential (relative error
- * about 2e-7); with AVX-512 BF16, a bf16 layer's scores are vdpbf16ps dot products of the
- * raw query and key pairs. Built with OpenMP, a call's sequences spread over the threads.
+ * once, in cpu_vectors.h's vectors of 16 floats; with AVX-512 BF16, a bf16 layer's
+ * scores are vdpbf16ps dot products of the raw query and key pairs. Built with OpenMP, a call's sequences spread over the threads.
  * The caller has checked every index.
  *
  * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise; caches [blocks,
@@ -19,38 +17,13 @@
  * this file includes itself with T = float (entry points *_f32) and T = uint16_t holding
  * bfloat16 (*_bf16: loads widen to float32, stores round to nearest even). */
 #ifndef T
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if defined(__AVX512F__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if HAVE_AVX2
-#include <immintrin.h>
-#endif
+#include "cpu_vectors.h"
 #if defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
 #else
 #define HAVE_AVX512BF16 0
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#define HAVE_OPENMP 1
-#else
-#define HAVE_OPENMP 0
-#endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
 /* The machine's own vector (NL floats), for the value sums' broadcasts: lowered to
  * half-width registers, a 16-float one is assembled in memory. */
 #define NL (HAVE_AVX512 ? 16 : HAVE_AVX2 ? 8 : 4)
@@ -63,15 +36,8 @@ typedef float vn __attribute__((vector_size(4 * NL)));
  * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's). */
 #define VALUE_COLS 4
 #define VALUE_VECTORS (HAVE_AVX512 ? 4 : 2)
-#define SHUFFLE __builtin_shufflevector
-#define INLINE static inline __attribute__((always_inline)) /* vectors stay in registers */
 
 static const v16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-INLINE v16 splat(float x) { return (v16){0} + x; }
-
-/* m ? a : b, lane by lane (m: a comparison's all-ones or zero lanes). */
-INLINE v16 select16(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
 
 /* Lane j: the sum of a[TILE_SLOT[j]]'s lanes. The four levels halve the lanes with
  * shuffles that are single instructions (vshuff32x4 across 128-bit lanes, vshufps
@@ -115,25 +81,6 @@ INLINE float hmax(v16 x) {
 #endif
 }
 
-/* exp(x) lane by lane for x <= 0 (a softmax after subtracting the max); 0 below -87:
- * 2^n times a polynomial of the remainder, ln 2 in two parts. */
-INLINE v16 exp16(v16 x) {
-    const v16i below = x < splat(-87.0f);
-    x = select16(below, splat(-87.0f), x);
-    const v16 y = x * 1.44269504088896341f + 0.5f;
-    v16i n = __builtin_convertvector(y, v16i); /* truncated; floor for negative y below */
-    n += __builtin_convertvector(n, v16) > y;
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (v16)(~below & (v16i)(p * (v16)((n + 127) << 23)));
-}
-
 /* The online softmax's step: a row's running max raised to include top (finite); returns
  * the factor its running sums take (0 for the first keys, 1 when the max holds). */
 INLINE float raise_max(float *run_max, float top) {
@@ -141,21 +88,6 @@ INLINE float raise_max(float *run_max, float top) {
     if (top <= old) return 1.0f;
     *run_max = top;
     return old == -INFINITY ? 0.0f : expf(old - top);
-}
-
-/* bfloat16 <-> float32: bf16 is float32's upper half. */
-INLINE float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* float16 -> float32 (an int8 cache's scales; subnormals included). */
@@ -174,8 +106,6 @@ INLINE float f16_to_f32(uint16_t h) {
 
 /* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero:
  * float32 as it is, bfloat16 widened (its bits are float32's upper half). */
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t vnh __attribute__((vector_size(2 * NL)));
 typedef uint32_t vnu __attribute__((vector_size(4 * NL)));
 INLINE v16 load_f32(const float *p, int64_t n) {
@@ -187,31 +117,6 @@ INLINE vn load_f32n(const float *p, int64_t n) {
     vn x = {0};
     memcpy(&x, p, sizeof(float) * (n == NL ? NL : n));
     return x;
-}
-/* bfloat16 lanes widened, as instructions where the build has them (GCC would split a
- * 16-lane conversion in two). */
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-INLINE v8 widen8(v8h h) {
-#if HAVE_AVX2
-    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
-#else
-    return (v8)(__builtin_convertvector(h, v8u) << 16);
-#endif
-}
-INLINE v16 widen16(v16h h) {
-#if HAVE_AVX512
-    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
-#else
-    const v8 lo = widen8(SHUFFLE(h, h, 0, 1, 2, 3, 4, 5, 6, 7));
-    const v8 hi = widen8(SHUFFLE(h, h, 8, 9, 10, 11, 12, 13, 14, 15));
-    return SHUFFLE(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#endif
-}
-INLINE v16 load_bf16(const uint16_t *p, int64_t n) {
-    v16h h = {0};
-    memcpy(&h, p, sizeof(uint16_t) * (n == 16 ? 16 : n));
-    return widen16(h);
 }
 INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
     vnh h = {0};

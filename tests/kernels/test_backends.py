@@ -207,7 +207,7 @@ def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     for dtype, env, name, why in [
         (torch.float32, {"EXPEDITOR_NATIVE_CPU": "0"}, "torch", "EXPEDITOR_NATIVE_CPU=0"),
-        (torch.bfloat16, {}, "native", "paged_attention_cpu-"),
+        (torch.bfloat16, {}, "native", "expeditor_cpu-"),
         (torch.float16, {}, "torch", "float32, bfloat16 on a CPU"),
         (torch.float32, {"EXPEDITOR_FORCE_TRITON": "1"}, "triton", "EXPEDITOR_FORCE_TRITON=1"),
     ]:

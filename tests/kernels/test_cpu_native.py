@@ -28,7 +28,7 @@ from gpu_worker import attention
 from gpu_worker.attention import native_backend, torch_backend
 from gpu_worker.attention.native_backend import NativeBackend, NativeKernels, NativeStep
 from gpu_worker.attention.torch_backend import paged_attention_ref
-from gpu_worker.kernels import store_kv_ref
+from gpu_worker.kernels import native_build, store_kv_ref
 from gpu_worker.kernels.attention_args import layer_params
 from gpu_worker.tiny_model import make_tiny_model
 from shared.sampling import SamplingParams
@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 @pytest.fixture(scope="module", autouse=True)
 def native() -> Iterator[NativeKernels]:
     """The compiled kernels (module-wide, so Hypothesis tests may use them)."""
-    if native_backend._compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler: the native kernel cannot be built here")
     kernels = native_backend._loaded()
     assert not isinstance(kernels, str), f"a compiler is present but: {kernels}"
@@ -358,17 +358,17 @@ def test_native_and_torch_backends_agree() -> None:
 
 
 def test_build_caches_its_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = native_backend.build(tmp_path)
+    path = native_build.build(tmp_path)
     assert path.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [path.name]
     mtime = path.stat().st_mtime_ns
-    run = native_backend.subprocess.run
+    run = native_build.subprocess.run
 
     def no_compiling(cmd: list[str], **kwargs: object) -> object:
         assert cmd[1:] == ["--version"], f"recompiled: {cmd}"
         return run(cmd, **kwargs)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(native_backend.subprocess, "run", no_compiling)
-    assert native_backend.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native_build.subprocess, "run", no_compiling)
+    assert native_build.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
     kv = torch.full((2, 4, 1, 16), float("nan"))
     rows = torch.randn(3, 1, 16)
     NativeKernels(path).store_kv(rows, rows, (kv, kv.clone()), torch.tensor([5, -1, 0]))
@@ -382,7 +382,7 @@ def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("PATH", str(empty))
     with pytest.raises(RuntimeError, match="no C compiler"):
-        native_backend.build(tmp_path / "kernels")
+        native_build.build(tmp_path / "kernels")
     assert not (tmp_path / "kernels").exists()
     native_backend._loaded.cache_clear()
     try:  # the torch backend runs instead, and says why
@@ -402,28 +402,28 @@ def test_failing_compiler_leaves_no_files(tmp_path: Path, monkeypatch: pytest.Mo
     assert false is not None
     monkeypatch.setenv("CC", false)
     with pytest.raises(RuntimeError, match="compiler failed"):
-        native_backend.build(tmp_path)
+        native_build.build(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_hung_compiler_is_a_failed_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = native_backend.subprocess.run
+    run = native_build.subprocess.run
 
     def hanging(cmd: list[str], **kwargs: object) -> object:
         if cmd[1:] == ["--version"]:
             return run(cmd, **kwargs)  # type: ignore[call-overload]
-        raise native_backend.subprocess.TimeoutExpired(cmd, 300)
+        raise native_build.subprocess.TimeoutExpired(cmd, 300)
 
-    monkeypatch.setattr(native_backend.subprocess, "run", hanging)
+    monkeypatch.setattr(native_build.subprocess, "run", hanging)
     with pytest.raises(RuntimeError, match="did not run"):
-        native_backend.build(tmp_path)
+        native_build.build(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_builds_are_kept_per_kind_of_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = native_backend.build(tmp_path)
-    monkeypatch.setattr(native_backend, "_cpu_id", lambda: b"model name : another cpu")
-    second = native_backend.build(tmp_path)
+    first = native_build.build(tmp_path)
+    monkeypatch.setattr(native_build, "_cpu_id", lambda: b"model name : another cpu")
+    second = native_build.build(tmp_path)
     assert second != first and {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
 
 
@@ -444,8 +444,8 @@ def test_the_portable_and_avx2_builds_match_reference(
     too."""
     if tune and not {"avx2", "fma"} <= CPU_FLAGS:
         pytest.skip("the CPU has no AVX2")
-    monkeypatch.setattr(native_backend, "TUNE", tune)
-    built = NativeKernels(native_backend.build(tmp_path))
+    monkeypatch.setattr(native_build, "TUNE", tune)
+    built = NativeKernels(native_build.build(tmp_path))
     assert built.features == features
     monkeypatch.setattr(native_backend, "_loaded", lambda dtype: built)
     for head_dim, block_size, window, softcap in ((20, 4, None, None), (32, 16, 9, 3.0)):

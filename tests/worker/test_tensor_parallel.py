@@ -308,7 +308,9 @@ def test_reordered_bf16_weights_shard_over_the_group(runners: dict[str, Any]) ->
     ranks = [result["bf16"] for result in runners["results"][BIASED]]
     for rank in ranks:
         assert rank["unpacked"] is None
-        assert rank["note"].endswith(f"sharded over {WORLD} ranks, weights reordered for oneDNN)")
+        assert rank["note"].endswith(
+            f"sharded over {WORLD} ranks, weights reordered for oneDNN, bf16 layer operations in C)"
+        )
     for ours, theirs in zip(ranks[0]["hidden"], ranks[1]["hidden"], strict=True):
         assert torch.equal(ours, theirs)
     alone = step_runner(runners["paths"][BIASED], "auto", None, dtype=torch.bfloat16)
