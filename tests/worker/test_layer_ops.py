@@ -5,6 +5,7 @@ uses them; and a lean forward through them is the torch operations' forward."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from pathlib import Path
 
@@ -119,3 +120,27 @@ def test_the_lean_forward_through_c_is_torchs(
     for ours, theirs in zip(fused_hidden, plain_hidden, strict=True):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.02, atol=0.02)
     assert fused_tokens == plain_tokens
+
+
+@pytest.mark.parametrize("tune", [(), ("-march=native", "-mno-avx512f")])
+def test_the_portable_and_avx2_builds_are_torchs(
+    native: NativeOps, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tune: tuple[str, ...]
+) -> None:
+    """Built without ``-march=native`` (SSE vectors, no widening instructions) and without
+    AVX-512 (AVX2), the passes give torch's results too."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if tune and not {"avx2", "fma"} <= set(cpuinfo.read_text().split() if cpuinfo.exists() else ()):
+        pytest.skip("the CPU has no AVX2")
+    monkeypatch.setattr(native_build, "TUNE", tune)
+    ops = NativeOps(ctypes.CDLL(str(native_build.build(tmp_path))))
+    norm = Norm(bf16(40, seed=6) + 1, 1e-6)
+    x, add = bf16(7, 40, seed=7, scale=3.0), bf16(7, 40, seed=8)
+    want_x, want = TORCH.add_rms_norm(x.clone(), add, norm)
+    got_x, got = ops.add_rms_norm(x, add, norm)
+    assert torch.equal(got_x, want_x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    gate_up = bf16(7, 2 * 37, seed=9, scale=5.0)
+    assert torch.equal(ops.silu_mul(gate_up, 37), TORCH.silu_mul(gate_up, 37))
+    qk = bf16(5, 3, 20, seed=10)
+    cos, sin = bf16(5, 1, 20, seed=11), bf16(5, 1, 20, seed=12)
+    assert torch.equal(ops.rotate(qk.clone(), cos, sin), TORCH.rotate(qk, cos, sin))
