@@ -38,7 +38,7 @@ from shared.outputs import Completion
 from shared.sampling import SamplingParams
 from shared.server_config import ModelConfig
 from shared.swap_pool import SwapPoolSegment
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import encode_ids, load_tokenizer
 from shared.worker_settings import WorkerSettings
 
 Prompt = str | list[int]
@@ -116,7 +116,7 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            return encode_ids(self.tokenizer, prompt)
         return list(prompt)
 
     def generate(

@@ -8,7 +8,6 @@ decoding (:mod:`gpu_worker.draft_model`) its own.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.tensor_parallel import check_tp_supported, shard_model
+from shared.memory import malloc_trim
 
 if TYPE_CHECKING:
     from gpu_worker.kv_cache import KVCache
@@ -137,17 +137,8 @@ def load_decoder(
         else:
             note = f"transformers ({reason})"
     if torch.device(device).type == "cpu":
-        _return_freed_memory()
+        # The pages loading freed (the checkpoint's tensors as read, the weights fused or
+        # reordered since), which glibc's heap keeps otherwise: SmolLM2's bf16 worker
+        # then holds 133 MiB less, 201 MiB less with its weights reordered.
+        malloc_trim()
     return Decoder(model, config, lean, note, logits_fn(model, config))
-
-
-def _return_freed_memory() -> None:
-    """Hand back to the OS the pages that loading freed (the checkpoint's tensors as
-    read, the weights fused or reordered since), which glibc's heap keeps otherwise:
-    SmolLM2's bf16 worker then holds 133 MiB less, 201 MiB less with its weights
-    reordered. Not glibc (no ``malloc_trim``): nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL(None)
-        return
-    trim(0)

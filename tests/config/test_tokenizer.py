@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from expeditor.gateway.model import ServedModel
@@ -21,7 +22,7 @@ from expeditor.llm import LLM
 from gpu_worker.tiny_model import ARCHS, BOS_ID, EOS_ID
 from ipc.client import AsyncClient
 from scheduler_svc.launch import running_server
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import encode_ids, load_tokenizer
 
 TEXTS = [
     "Hello, world",
@@ -48,17 +49,37 @@ def _variant(source: Path, target: Path, **changes: Any) -> Path:
 
 
 def _agree(model: Path) -> list[list[int]]:
-    """Each text's ids from load_tokenizer, checked against AutoTokenizer's."""
+    """Each text's ids from load_tokenizer through encode_ids, checked against
+    AutoTokenizer's."""
     ours = load_tokenizer(model)
     reference = AutoTokenizer.from_pretrained(model)
     got = []
     for text in TEXTS:
-        ids = ours.encode(text, add_special_tokens=True).ids
+        ids = encode_ids(ours, text)
         assert ids == reference(text)["input_ids"], (model.name, text)
-        plain = ours.encode(text, add_special_tokens=False).ids
+        plain = encode_ids(ours, text, add_special_tokens=False)
         assert plain == reference(text, add_special_tokens=False)["input_ids"], (model.name, text)
         got.append(ids)
     return got
+
+
+class _OldTokenizer:
+    """A tokenizer of the tokenizers releases before ``encode_batch_fast``."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.encode_batch = tokenizer.encode_batch
+
+
+def test_encode_ids_is_the_tokenizers_encode(model: Path) -> None:
+    """The ids of ``Tokenizer.encode``, with or without special tokens, for short and
+    long texts, and through ``encode_batch`` where ``encode_batch_fast`` is missing."""
+    tokenizer = load_tokenizer(model)
+    old = _OldTokenizer(tokenizer)
+    for text in [*TEXTS, "a long text, " * 5000]:
+        for special in (True, False):
+            want = tokenizer.encode(text, add_special_tokens=special).ids
+            assert encode_ids(tokenizer, text, add_special_tokens=special) == want
+            assert encode_ids(old, text, add_special_tokens=special) == want  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
