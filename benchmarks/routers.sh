@@ -11,7 +11,7 @@
 #
 # Settings (environment): SIZE (the generated checkpoint: tiny, or small whose forward
 # costs something), REPLICAS (4), ROUNDS (3), BLOCKS (KV blocks per replica, 512),
-# TENANTS (24), PREFIX_CHARS (1024: about 64 blocks of 16 tokens each, so the tenants'
+# TENANTS (14), PREFIX_CHARS (1800: about 113 blocks of 16 tokens each, so the tenants'
 # prefixes are 3x one replica's cache), REQUESTS (192), CONCURRENCY (8), MAX_TOKENS (16),
 # STREAM (1: streamed completions, as chat clients send them; 0: whole answers, which
 # vllm-router's kv_aware counts as prefill until they end), SETUPS (the ROUTER/POLICY
@@ -25,8 +25,8 @@ SIZE=${SIZE:-tiny}
 REPLICAS=${REPLICAS:-4}
 ROUNDS=${ROUNDS:-3}
 BLOCKS=${BLOCKS:-512}
-TENANTS=${TENANTS:-24}
-PREFIX_CHARS=${PREFIX_CHARS:-1024}
+TENANTS=${TENANTS:-14}
+PREFIX_CHARS=${PREFIX_CHARS:-1800}
 REQUESTS=${REQUESTS:-192}
 CONCURRENCY=${CONCURRENCY:-8}
 MAX_TOKENS=${MAX_TOKENS:-16}
