@@ -132,7 +132,7 @@ def load_decoder(
             lean = LeanDecoder(model, config, group)
             sharded = f", sharded over {world} ranks" if world > 1 else ""
             packed = ", weights reordered for oneDNN" if lean.unpacked is None else ""
-            packed += ", bf16 layer operations in C" if lean.ops.name == "native" else ""
+            packed += f", {lean.ops_note}" if lean.ops_note else ""
             note = f"lean (model type {config.model_type!r}{sharded}{packed})"
         else:
             note = f"transformers ({reason})"

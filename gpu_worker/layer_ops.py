@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpu_worker.kernels.native_build import build
+from gpu_worker.kernels.native_build import built
 
 __all__ = ["NativeOps", "Norm", "TorchOps", "choose_ops", "rms_norm"]
 
@@ -102,8 +104,14 @@ class NativeOps(TorchOps):
     def rotate(self, qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         tokens, heads, head_dim = qk.shape
         _check((cos, (tokens, 1, head_dim)), (sin, (tokens, 1, head_dim)))
-        if qk.dtype != torch.bfloat16 or qk.stride()[1:] != (head_dim, 1) or head_dim % 2:
-            raise ValueError("native rotate takes bf16 q/k heads contiguous within a token")
+        if (
+            qk.dtype != torch.bfloat16
+            or qk.device.type != "cpu"
+            or qk.stride()[1:] != (head_dim, 1)
+            or qk.stride(0) < heads * head_dim
+            or head_dim % 2
+        ):
+            raise ValueError("native rotate takes bf16 CPU q/k heads contiguous within a token")
         self._rotary(
             qk.data_ptr(), qk.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr()
         )
@@ -134,17 +142,27 @@ def _check(*tensors: tuple[Tensor, tuple[int, ...]]) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
+    path = built()
+    if isinstance(path, str):
+        return path
     try:
-        return ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError) as exc:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
         return str(exc)
 
 
-def choose_ops(dtype: torch.dtype, device: torch.device) -> tuple[TorchOps, str]:
-    """The operations for a forward in ``dtype`` on ``device``, and why."""
+def choose_ops(
+    dtype: torch.dtype, device: torch.device, env: Mapping[str, str] = os.environ
+) -> tuple[TorchOps, str | None]:
+    """The operations for a forward in ``dtype`` on ``device``, and what the log says
+    of them: None where C is not for this dtype and device (float32, CUDA); else the C
+    passes, or torch's and why (``EXPEDITOR_NATIVE_CPU=0``, as for the attention
+    kernel, or no library). Read once, at load."""
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return TorchOps(), f"{dtype} on {torch.device(device).type} (C: bfloat16 on a CPU)"
+        return TorchOps(), None
+    if env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
+        return TorchOps(), "layer operations in torch (EXPEDITOR_NATIVE_CPU=0)"
     library = _library()
     if isinstance(library, str):
-        return TorchOps(), f"no native library: {library}"
+        return TorchOps(), f"layer operations in torch (no native library: {library})"
     return NativeOps(library), "bf16 layer operations in C"

@@ -186,11 +186,10 @@ class LeanDecoder:
         )
         """Why the projections' weights stay dense (None: reordered for oneDNN)."""
         self.ops, self.ops_note = (
-            choose_ops(self.embed.dtype, self.embed.device)
-            if native_ops
-            else (TorchOps(), "torch (not asked)")
+            choose_ops(self.embed.dtype, self.embed.device) if native_ops else (TorchOps(), None)
         )
-        """The elementwise operations (:mod:`gpu_worker.layer_ops`), and why those."""
+        """The elementwise operations (:mod:`gpu_worker.layer_ops`), and what the log
+        says of them (None: nothing)."""
         if self.unpacked is None:
             for lean, layer in zip(self.layers, base.layers, strict=True):
                 self._pack(lean, layer)

@@ -38,7 +38,7 @@ from gpu_worker.attention.torch_backend import (
     store_layer,
 )
 from gpu_worker.kernels.attention_args import AttentionParams
-from gpu_worker.kernels.native_build import build
+from gpu_worker.kernels.native_build import built
 from gpu_worker.kernels.warmup import CacheLayout
 
 __all__ = ["NativeBackend", "NativeKernels", "NativeStep", "check_step", "load"]
@@ -116,9 +116,12 @@ def _rows(t: Tensor) -> tuple[int, int, int]:
 
 @functools.cache
 def _loaded(dtype: torch.dtype = torch.float32) -> NativeKernels | str:
+    path = built()
+    if isinstance(path, str):
+        return path
     try:
-        return NativeKernels(build(), dtype)
-    except (RuntimeError, OSError) as exc:
+        return NativeKernels(path, dtype)
+    except OSError as exc:
         return str(exc)
 
 

@@ -69,7 +69,12 @@ void expeditor_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t row
             const int64_t n = MIN(width - d, 16);
             const v16 g = load_bf16(gate + d, n);
             const v16i negative = g < splat(0.0f);
-            const v16 e = exp16(select16(negative, g, -g)); /* exp(-|g|): no overflow */
+            /* exp(-|g|), no overflow; below exp16's floor (-87) through e^16 times a
+             * larger one, down to where torch's exp(-g) overflows (its silu: -0). */
+            const v16 x = select16(negative, g, -g);
+            const v16i deep = x < splat(-87.0f), kept = x >= splat(-88.72283935546875f);
+            v16 e = exp16(select16(deep, x + 16.0f, x));
+            e = select16(deep, select16(kept, e * 1.12535174719e-7f, splat(0.0f)), e);
             const v16 silu = select16(negative, g * e, g) / (1.0f + e);
             store_bf16(out + r * width + d, round_bf16(silu) * load_bf16(up + d, n), n);
         }

@@ -12,6 +12,7 @@ under a temporary name and renamed, so concurrent workers never load half a file
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from shared.paths import cache_dir
 
-__all__ = ["SOURCES", "build", "compiler"]
+__all__ = ["SOURCES", "build", "built", "compiler"]
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "paged_attention_cpu.c", _HERE / "layer_ops_cpu.c")
@@ -89,3 +90,13 @@ def build(directory: Path | None = None) -> Path:
         finally:
             Path(partial).unlink(missing_ok=True)
     raise RuntimeError("the C compiler failed: " + " | ".join(errors))
+
+
+@functools.cache
+def built() -> Path | str:
+    """This process's library (:func:`build` once, for every user of it), or why there
+    is none."""
+    try:
+        return build()
+    except RuntimeError as exc:
+        return str(exc)

@@ -14,6 +14,7 @@ import torch
 from support.runner_steps import run_steps, step_runner
 from transformers import AutoModelForCausalLM
 
+from gpu_worker import layer_ops
 from gpu_worker.kernels import native_build
 from gpu_worker.layer_ops import NativeOps, Norm, TorchOps, choose_ops
 from gpu_worker.lean_model import LeanDecoder
@@ -80,6 +81,17 @@ def test_silu_mul_is_torchs(native: NativeOps, rows: int, width: int) -> None:
     assert torch.equal(got.isnan(), want.isnan())
 
 
+def test_silu_mul_is_torchs_for_every_bf16_value(native: NativeOps) -> None:
+    """Each of the 65,536 bf16 bit patterns as a gate (subnormals, the exponentials'
+    edges near -87 and -88.7, infinities, NaN), the same bits as torch's."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16).view(1024, 64)
+    for up in (torch.ones_like(gates), bf16(1024, 64, seed=13)):
+        gate_up = torch.cat([gates, up], 1)
+        got, want = native.silu_mul(gate_up, 64), TORCH.silu_mul(gate_up, 64)
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), gates[~same][:8].tolist()
+
+
 def test_native_ops_refuse_what_they_cannot_read(native: NativeOps) -> None:
     norm = Norm(torch.ones(8, dtype=BF16), 1e-6)
     with pytest.raises(ValueError, match="contiguous bf16 CPU tensors"):
@@ -93,12 +105,22 @@ def test_native_ops_refuse_what_they_cannot_read(native: NativeOps) -> None:
     qk = torch.ones(2, 3, 8, dtype=BF16)
     with pytest.raises(ValueError, match="contiguous within a token"):
         native.rotate(qk.transpose(0, 1), *(torch.ones(3, 1, 8, dtype=BF16),) * 2)
+    with pytest.raises(ValueError, match="contiguous within a token"):  # tokens overlap
+        native.rotate(qk[:1].expand(4, 3, 8), *(torch.ones(4, 1, 8, dtype=BF16),) * 2)
 
 
-def test_only_bf16_on_a_cpu_runs_in_c(native: NativeOps) -> None:
+def test_only_bf16_on_a_cpu_runs_in_c(native: NativeOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 and CUDA keep torch's operations (nothing to say in the log); a bf16 CPU
+    forward does too where EXPEDITOR_NATIVE_CPU=0 or the library is missing, and says
+    why."""
     for dtype, device in ((torch.float32, CPU), (BF16, torch.device("cuda"))):
         ops, why = choose_ops(dtype, device)
-        assert type(ops) is TorchOps and f"{dtype} on {device.type}" in why
+        assert type(ops) is TorchOps and why is None
+    ops, why = choose_ops(BF16, CPU, {"EXPEDITOR_NATIVE_CPU": "0"})
+    assert type(ops) is TorchOps and why == "layer operations in torch (EXPEDITOR_NATIVE_CPU=0)"
+    monkeypatch.setattr(layer_ops, "_library", lambda: "no C compiler (set CC, or install cc/gcc)")
+    ops, why = choose_ops(BF16, CPU, {})
+    assert type(ops) is TorchOps and why is not None and "no C compiler" in why
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q/k norms in torch

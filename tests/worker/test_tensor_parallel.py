@@ -33,6 +33,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from gpu_worker.layer_ops import choose_ops
 from gpu_worker.lean_model import LEAN_TYPES
 from gpu_worker.tensor_parallel import TP_ARCHS, check_tp_supported, local_kv_heads, shard_model
 from scheduler_svc.launch import free_port
@@ -306,10 +307,11 @@ def test_reordered_bf16_weights_shard_over_the_group(runners: dict[str, Any]) ->
     for oneDNN, the ranks end every step with the same hidden states, and those are the
     unsharded bf16 forward's to bf16's rounding of the partial sums (the same tokens)."""
     ranks = [result["bf16"] for result in runners["results"][BIASED]]
+    ops = choose_ops(torch.bfloat16, torch.device("cpu"))[1]  # no compiler: torch's
     for rank in ranks:
         assert rank["unpacked"] is None
         assert rank["note"].endswith(
-            f"sharded over {WORLD} ranks, weights reordered for oneDNN, bf16 layer operations in C)"
+            f"sharded over {WORLD} ranks, weights reordered for oneDNN, {ops})"
         )
     for ours, theirs in zip(ranks[0]["hidden"], ranks[1]["hidden"], strict=True):
         assert torch.equal(ours, theirs)
