@@ -7,6 +7,16 @@
 
 #define PARALLEL_ELEMENTS 32768 /* below this, one thread: a parallel region costs more */
 
+/* Whether any lane of m (a comparison's) is set. */
+INLINE int any16(v16i m) {
+#if HAVE_AVX512
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
+    static const v16i none = {0};
+    return memcmp(&m, &none, sizeof m) != 0;
+#endif
+}
+
 /* x[r] += add[r] (rounded; add NULL: x as it is), then out[r] = weight * bf16(x[r] *
  * rsqrt(mean(x[r]^2) + eps)): the residual add and RMSNorm, rows of width contiguous. */
 void expeditor_add_rms_norm_bf16(uint16_t *x, const uint16_t *add, const uint16_t *weight,
@@ -69,12 +79,14 @@ void expeditor_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t row
             const int64_t n = MIN(width - d, 16);
             const v16 g = load_bf16(gate + d, n);
             const v16i negative = g < splat(0.0f);
-            /* exp(-|g|), no overflow; below exp16's floor (-87) through e^16 times a
-             * larger one, down to where torch's exp(-g) overflows (its silu: -0). */
             const v16 x = select16(negative, g, -g);
-            const v16i deep = x < splat(-87.0f), kept = x >= splat(-88.72283935546875f);
-            v16 e = exp16(select16(deep, x + 16.0f, x));
-            e = select16(deep, select16(kept, e * 1.12535174719e-7f, splat(0.0f)), e);
+            v16 e = exp16(x); /* exp(-|g|): no overflow */
+            const v16i deep = x < splat(-87.0f);
+            if (any16(deep)) { /* below exp16's floor, down to where torch's exp(-g)
+                                * overflows (its silu: -0): e^-16 times exp(x + 16) */
+                const v16 scaled = exp16(x + 16.0f) * 1.12535174719e-7f;
+                e = select16(deep & (x >= splat(-88.72283935546875f)), scaled, e);
+            }
             const v16 silu = select16(negative, g * e, g) / (1.0f + e);
             store_bf16(out + r * width + d, round_bf16(silu) * load_bf16(up + d, n), n);
         }
