@@ -70,10 +70,10 @@ def build(directory: Path | None = None) -> Path:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
     directory = directory or cache_dir() / "kernels"
     version = _run([cc, "--version"], 30).stdout.encode()
-    code = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    code = b"\0".join([*(path.read_bytes() for path in (*SOURCES, *HEADERS)), version, _cpu_id()])
     errors = []
     for flags in ((*FLAGS, *OPENMP, *TUNE), (*FLAGS, *TUNE), FLAGS):
-        key = b"\0".join([code, " ".join(flags).encode(), version, _cpu_id()])
+        key = b"\0".join([code, " ".join(flags).encode()])
         target = directory / f"expeditor_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
         if target.exists():
             return target

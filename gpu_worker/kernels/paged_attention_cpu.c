@@ -3,7 +3,8 @@
  * with an online softmax, accumulating in float32, several KV heads side by side so that
  * each tile's key and value rows are read once for all the vectors of a head. Written
  * once, in cpu_vectors.h's vectors of 16 floats; with AVX-512 BF16, a bf16 layer's
- * scores are vdpbf16ps dot products of the raw query and key pairs. Built with OpenMP, a call's sequences spread over the threads.
+ * scores are vdpbf16ps dot products of the raw query and key pairs. Built with OpenMP,
+ * a call's sequences spread over the threads.
  * The caller has checked every index.
  *
  * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise; caches [blocks,
