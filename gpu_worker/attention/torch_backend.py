@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepArrays, StepMetadata
-from gpu_worker.kernels.attention_args import AttentionParams, check_args, layer_params
+from gpu_worker.kernels.attention_args import AttentionParams
 from gpu_worker.kv_quant import dequantize, quantize
 
 GROUP_ELEMENTS = 1 << 23
@@ -225,32 +225,6 @@ class TorchBackend(AttentionBackend):
         for g in step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)
         return out
-
-
-def paged_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The torch backend's attention over a cache that holds every key already (the
-    tests' oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
-    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    check_args(*args)
-    params = layer_params(scale, window, softcap)
-    host = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_tables": block_tables}
-    arrays = {name: t.cpu().numpy() for name, t in host.items()}
-    kv_row = key_cache.shape[2] * key_cache.shape[3]
-    out = torch.zeros_like(query)
-    for g in plan_groups(arrays, key_cache.shape[1], kv_row, query.device, own=False):
-        attend_group(g, out, query, query, query, (key_cache, value_cache), params)
-    return out
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -4,8 +4,8 @@ optional sliding window and attention-logit soft-capping).
 A step's :class:`~gpu_worker.kernels.attention_schedule.AttentionSchedule` says which
 launch takes which sequence: decode tiles and prefill tiles of the main kernel here, and
 split-KV decodes (:mod:`gpu_worker.kernels.split_kv`) for long contexts that would
-underfill the GPU. The reference is the torch backend's
-(:func:`gpu_worker.attention.torch_backend.paged_attention_ref`); the Triton backend
+underfill the GPU. The reference is the torch backend
+(:mod:`gpu_worker.attention.torch_backend`); the Triton backend
 (:mod:`gpu_worker.attention.triton_backend`) calls these kernels.
 """
 
@@ -268,7 +268,7 @@ def paged_attention_triton(
     scales: Scales | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of prefill chunks and decodes, as the
-    torch backend's ``paged_attention_ref`` (flash-style online softmax over the
+    torch backend's attention (flash-style online softmax over the
     sequence's KV blocks; with a window, only over the blocks the window reaches). Query
     rows outside every sequence are left uninitialised.
 

@@ -1,11 +1,6 @@
 /* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py has
- * the design): per sequence, its query vectors attend in tiles of 16 consecutive keys
- * with an online softmax, accumulating in float32, several KV heads side by side so that
- * each tile's key and value rows are read once for all the vectors of a head. Written
- * once, in cpu_vectors.h's vectors of 16 floats; with AVX-512 BF16, a bf16 layer's
- * scores are vdpbf16ps dot products of the raw query and key pairs. Built with OpenMP,
- * a call's sequences spread over the threads.
- * The caller has checked every index.
+ * the design: tiles of 16 keys, an online softmax, several KV heads side by side), in
+ * cpu_vectors.h's vectors of 16 floats. The caller has checked every index.
  *
  * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise; caches [blocks,
  * block_size, kv_heads, head_dim], block_stride elements apart, contiguous within a
@@ -25,17 +20,12 @@
 #define HAVE_AVX512BF16 0
 #endif
 
-/* The machine's own vector (NL floats), for the value sums' broadcasts: lowered to
- * half-width registers, a 16-float one is assembled in memory. */
-#define NL (HAVE_AVX512 ? 16 : HAVE_AVX2 ? 8 : 4)
-typedef float vn __attribute__((vector_size(4 * NL)));
-
 #define MAX_VECTORS 16  /* query vectors of a KV head attended together */
 #define TILE_KV_HEADS 8 /* KV heads attended together */
 #define MAX_HEAD_DIM 256
-/* Value columns (NL-float vectors) and query vectors accumulated at once: as many as
- * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's). */
-#define VALUE_COLS 4
+/* Value columns (16-float vectors) and query vectors accumulated at once: as many as
+ * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's or SSE's). */
+#define VALUE_COLS (HAVE_AVX512 ? 4 : HAVE_AVX2 ? 2 : 1)
 #define VALUE_VECTORS (HAVE_AVX512 ? 4 : 2)
 
 static const v16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -74,13 +64,7 @@ INLINE v16 sum16(const v16 *a) {
         (__typeof__(a_))((m_ & (__typeof__(m_))a_) | (~m_ & (__typeof__(m_))b_)); \
     })
 INLINE float hsum(v16 x) { FOLD(x, ADD); }
-INLINE float hmax(v16 x) {
-#if HAVE_AVX512 /* one instruction a level (the fold's MAX keeps NaN semantics: three) */
-    return _mm512_reduce_max_ps((__m512)x);
-#else
-    FOLD(x, MAX);
-#endif
-}
+INLINE float hmax(v16 x) { FOLD(x, MAX); }
 
 /* The online softmax's step: a row's running max raised to include top (finite); returns
  * the factor its running sums take (0 for the first keys, 1 when the max holds). */
@@ -105,30 +89,11 @@ INLINE float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero:
- * float32 as it is, bfloat16 widened (its bits are float32's upper half). */
-typedef uint16_t vnh __attribute__((vector_size(2 * NL)));
-typedef uint32_t vnu __attribute__((vector_size(4 * NL)));
+/* The first n (<= 16) float32 values at p as lanes, the rest zero (bf16: cpu_vectors.h). */
 INLINE v16 load_f32(const float *p, int64_t n) {
     v16 x = {0};
     memcpy(&x, p, sizeof(float) * (n == 16 ? 16 : n)); /* whole: one load */
     return x;
-}
-INLINE vn load_f32n(const float *p, int64_t n) {
-    vn x = {0};
-    memcpy(&x, p, sizeof(float) * (n == NL ? NL : n));
-    return x;
-}
-INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
-    vnh h = {0};
-    memcpy(&h, p, sizeof(uint16_t) * (n == NL ? NL : n));
-#if NL == 16
-    return widen16(h);
-#elif NL == 8
-    return widen8(h);
-#else
-    return (vn)(__builtin_convertvector(h, vnu) << 16);
-#endif
 }
 
 /* What this build targets: 1 AVX2 and FMA, 2 AVX-512, 4 AVX-512 BF16 dot products,
@@ -149,21 +114,18 @@ int expeditor_kernel_threads(void) {
 #define T float
 #define NAME(x) x##_f32
 #define LOAD(p, n) load_f32(p, n)
-#define LOADN(p, n) load_f32n(p, n)
 #define STORE(x) (x)
 #define DOT_BF16 0
 #include __FILE__
 #undef T
 #undef NAME
 #undef LOAD
-#undef LOADN
 #undef STORE
 #undef DOT_BF16
 
 #define T uint16_t
 #define NAME(x) x##_bf16
 #define LOAD(p, n) load_bf16(p, n)
-#define LOADN(p, n) load_bf16n(p, n)
 #define STORE(x) f32_to_bf16(x)
 #define DOT_BF16 HAVE_AVX512BF16
 #include __FILE__
@@ -234,27 +196,27 @@ INLINE v16 NAME(partial_dot)(
 }
 
 /* acc[g] += sum_j p[g][j] * v_j over the tile's first n rows, for G vectors (acc rows
- * stride floats apart, p rows 16), in the machine's own vectors. */
+ * stride floats apart, p rows 16). */
 INLINE void NAME(tile_values)(float *acc, int64_t stride, const float *p, const T *const *vrow,
                               int64_t n, const int64_t head_dim, const int G) {
-    const int64_t chunks = (head_dim + NL - 1) / NL;
+    const int64_t chunks = (head_dim + 15) / 16;
     for (int64_t c0 = 0; c0 < chunks; c0 += VALUE_COLS) {
         const int64_t cols = chunks - c0 < VALUE_COLS ? chunks - c0 : VALUE_COLS;
-        vn acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
+        v16 acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
         for (int g = 0; g < G; g++)
             for (int64_t c = 0; c < cols; c++)
-                memcpy(&acc_v[g][c], acc + g * stride + NL * (c0 + c), sizeof(vn));
+                memcpy(&acc_v[g][c], acc + g * stride + 16 * (c0 + c), sizeof(v16));
         for (int64_t j = 0; j < n; j++) {
             for (int64_t c = 0; c < cols; c++) {
-                const int64_t d = NL * (c0 + c);
-                vv[c] = LOADN(vrow[j] + d, head_dim - d < NL ? head_dim - d : NL);
+                const int64_t d = 16 * (c0 + c);
+                vv[c] = LOAD(vrow[j] + d, head_dim - d < 16 ? head_dim - d : 16);
             }
             for (int g = 0; g < G; g++)
                 for (int64_t c = 0; c < cols; c++) acc_v[g][c] += p[g * 16 + j] * vv[c];
         }
         for (int g = 0; g < G; g++)
             for (int64_t c = 0; c < cols; c++)
-                memcpy(acc + g * stride + NL * (c0 + c), &acc_v[g][c], sizeof(vn));
+                memcpy(acc + g * stride + 16 * (c0 + c), &acc_v[g][c], sizeof(v16));
     }
 }
 
@@ -396,25 +358,6 @@ int NAME(expeditor_paged_attention)(
             }
     }
     return 0;
-}
-
-/* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
-void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T *v,
-                              int64_t v_tok, int64_t v_head, T *key_cache, T *value_cache,
-                              int64_t block_stride, const int64_t *slots, int64_t n_tokens,
-                              int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
-    const int64_t key_row = num_kv_heads * head_dim;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        const int64_t at = slot / block_size * block_stride + slot % block_size * key_row;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(key_cache + at + h * head_dim, k + t * k_tok + h * k_head,
-                   sizeof(T) * head_dim);
-            memcpy(value_cache + at + h * head_dim, v + t * v_tok + h * v_head,
-                   sizeof(T) * head_dim);
-        }
-    }
 }
 
 #undef TILES

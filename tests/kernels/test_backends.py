@@ -16,10 +16,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.attention_cases import NUM_LAYERS, backend_for, make_step, mixed_seqs, planned
+from support.attention_cases import (
+    NUM_LAYERS,
+    backend_for,
+    make_step,
+    mixed_seqs,
+    paged_attention_ref,
+    planned,
+)
 
 from gpu_worker import attention
-from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import store_kv_ref
 
 BACKENDS = ["torch", "native", "triton"]

@@ -25,9 +25,9 @@ from support.attention_cases import (
     make_attn_inputs,
     need_dot_dtype,
     need_triton,
+    paged_attention_ref,
 )
 
-from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import (
     copy_blocks,
     copy_blocks_ref,

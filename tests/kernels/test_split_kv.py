@@ -20,10 +20,10 @@ from support.attention_cases import (
     make_attn_inputs,
     need_dot_dtype,
     need_triton,
+    paged_attention_ref,
 )
 
 from gpu_worker.attention import choose_backend
-from gpu_worker.attention.torch_backend import paged_attention_ref
 from gpu_worker.kernels import paged_attention_triton
 from gpu_worker.kernels.attention_schedule import (
     DECODE,

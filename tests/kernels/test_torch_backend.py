@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from support.attention_cases import mixed_seqs
+from support.attention_cases import mixed_seqs, paged_attention_ref
 
 from gpu_worker.attention import torch_backend
-from gpu_worker.attention.torch_backend import paged_attention_ref
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,5 @@
-"""Shared by several test modules (from test_kernels.py)."""
+"""Attention test cases shared by the kernel and backend tests, and their oracle:
+:func:`paged_attention_ref`, the torch backend over a cache that holds every key."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from gpu_worker import attention
+from gpu_worker.attention.torch_backend import attend_group, plan_groups
 from gpu_worker.kernels import (
     store_kv_ref,
 )
+from gpu_worker.kernels.attention_args import check_args, layer_params
 
 DEVICES = [pytest.param("cpu", id="cpu")]
 
@@ -25,6 +28,32 @@ TOL = {
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (3e-2, 3e-2),
 }
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The torch backend's attention over a cache that holds every key already (the
+    tests' oracle): ``query`` [tokens, heads, head_dim] -> the same shape."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    check_args(*args)
+    params = layer_params(scale, window, softcap)
+    host = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_tables": block_tables}
+    arrays = {name: t.cpu().numpy() for name, t in host.items()}
+    kv_row = key_cache.shape[2] * key_cache.shape[3]
+    out = torch.zeros_like(query)
+    for g in plan_groups(arrays, key_cache.shape[1], kv_row, query.device, own=False):
+        attend_group(g, out, query, query, query, (key_cache, value_cache), params)
+    return out
 
 
 def need_triton(device: str) -> None:

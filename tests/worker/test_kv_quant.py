@@ -10,11 +10,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from support.attention_cases import TOL
+from support.attention_cases import TOL, paged_attention_ref
 from torch import Tensor
 
 from gpu_worker.attention import AttentionBackend, StepMetadata, choose_backend
-from gpu_worker.attention.torch_backend import TorchBackend, paged_attention_ref
+from gpu_worker.attention.torch_backend import TorchBackend
 from gpu_worker.attention.triton_backend import TritonBackend
 from gpu_worker.kernels.attention_args import layer_params
 from gpu_worker.kernels.attention_schedule import (
