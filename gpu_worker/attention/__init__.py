@@ -159,9 +159,8 @@ def choose_backend(
     """The worker's backend and why (logged): Triton on CUDA (or anywhere with
     ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
     native kernel for float32 and bfloat16 on a CPU (an int8 cache too) unless
-    ``EXPEDITOR_NATIVE_CPU=0``, the kernel's limits or a failed build say otherwise,
-    else torch -- and torch for an fp8 cache on a CPU, whose codes the C kernel does not
-    read. Read once, at start-up."""
+    ``EXPEDITOR_NATIVE_CPU=0``, the kernel's limits (no fp8 cache) or a failed build say
+    otherwise, else torch. Read once, at start-up."""
     from gpu_worker.attention import native_backend, torch_backend
 
     device = torch.device(device)
@@ -176,8 +175,6 @@ def choose_backend(
             backend = triton_backend.TritonBackend(layout, num_heads, device)
         else:
             reason = f"Triton unusable: {why}"
-    elif layout.kv_dtype not in (None, torch.int8):  # the C kernel reads no fp8 codes
-        reason = f"a {layout.kv_dtype} KV cache: dequantized on load by the torch backend"
     elif env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
         reason = "EXPEDITOR_NATIVE_CPU=0"
     else:

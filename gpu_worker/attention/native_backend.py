@@ -147,8 +147,6 @@ class NativeStep:
     kernel_seqs: torch.Tensor
     """Those with at most :data:`PROMPT_ROWS` rows; the others: ``groups`` (torch's)."""
     groups: list[Group]
-    covered: bool
-    """Every token is a sequence's query row."""
     caches_checked: bool = False
     """The step's first layer found its caches in the kernel's layout (every layer's
     caches are views of one KV tensor: the same dtype and strides)."""
@@ -193,7 +191,6 @@ class NativeBackend(AttentionBackend):
             for n in ("block_tables", "seq_lens", "query_start_loc")
         )
         tokens = len(arrays["slot_mapping"])
-        first, last = (int(starts[0]), int(starts[-1])) if len(starts) else (0, 0)
         q_lens = np.diff(starts.numpy())
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
         long = np.flatnonzero(q_lens > PROMPT_ROWS)
@@ -201,8 +198,7 @@ class NativeBackend(AttentionBackend):
         some, short = torch.from_numpy(q_lens > 0), torch.from_numpy(q_lens <= PROMPT_ROWS)
         seqs = (some.nonzero().view(-1), (some & short).nonzero().view(-1))
         store = store_index(arrays, block_size, self.device)
-        covered = first == 0 and last == tokens
-        return NativeStep(tables, lens, starts, tokens, *store, *seqs, groups, covered)
+        return NativeStep(tables, lens, starts, tokens, *store, *seqs, groups)
 
     def forward(
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
@@ -217,7 +213,7 @@ class NativeBackend(AttentionBackend):
             check_caches(caches, scales, dtype)
             step.caches_checked = True
         k, v = store_layer(caches, scales, step.store, step.stored, k, v, dtype)
-        out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
+        out = torch.zeros_like(q)
         self.kernels.attend(q, caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)

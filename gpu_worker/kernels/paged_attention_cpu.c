@@ -20,12 +20,17 @@
 #define HAVE_AVX512BF16 0
 #endif
 
+/* The machine's own vector (NL floats), for the value sums' broadcasts: lowered to
+ * half-width registers, a 16-float one is assembled in memory. */
+#define NL (HAVE_AVX512 ? 16 : HAVE_AVX2 ? 8 : 4)
+typedef float vn __attribute__((vector_size(4 * NL)));
+
 #define MAX_VECTORS 16  /* query vectors of a KV head attended together */
 #define TILE_KV_HEADS 8 /* KV heads attended together */
 #define MAX_HEAD_DIM 256
-/* Value columns (16-float vectors) and query vectors accumulated at once: as many as
- * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's or SSE's). */
-#define VALUE_COLS (HAVE_AVX512 ? 4 : HAVE_AVX2 ? 2 : 1)
+/* Value columns (NL-float vectors) and query vectors accumulated at once: as many as
+ * keep the accumulators in registers (32 of AVX-512's, 16 of AVX2's). */
+#define VALUE_COLS 4
 #define VALUE_VECTORS (HAVE_AVX512 ? 4 : 2)
 
 static const v16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -89,11 +94,30 @@ INLINE float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* The first n (<= 16) float32 values at p as lanes, the rest zero (bf16: cpu_vectors.h). */
+/* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero:
+ * float32 as it is, bfloat16 widened (its bits are float32's upper half). */
+typedef uint16_t vnh __attribute__((vector_size(2 * NL)));
+typedef uint32_t vnu __attribute__((vector_size(4 * NL)));
 INLINE v16 load_f32(const float *p, int64_t n) {
     v16 x = {0};
     memcpy(&x, p, sizeof(float) * (n == 16 ? 16 : n)); /* whole: one load */
     return x;
+}
+INLINE vn load_f32n(const float *p, int64_t n) {
+    vn x = {0};
+    memcpy(&x, p, sizeof(float) * (n == NL ? NL : n));
+    return x;
+}
+INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
+    vnh h = {0};
+    memcpy(&h, p, sizeof(uint16_t) * (n == NL ? NL : n));
+#if NL == 16
+    return widen16(h);
+#elif NL == 8
+    return widen8(h);
+#else
+    return (vn)(__builtin_convertvector(h, vnu) << 16);
+#endif
 }
 
 /* What this build targets: 1 AVX2 and FMA, 2 AVX-512, 4 AVX-512 BF16 dot products,
@@ -114,18 +138,21 @@ int expeditor_kernel_threads(void) {
 #define T float
 #define NAME(x) x##_f32
 #define LOAD(p, n) load_f32(p, n)
+#define LOADN(p, n) load_f32n(p, n)
 #define STORE(x) (x)
 #define DOT_BF16 0
 #include __FILE__
 #undef T
 #undef NAME
 #undef LOAD
+#undef LOADN
 #undef STORE
 #undef DOT_BF16
 
 #define T uint16_t
 #define NAME(x) x##_bf16
 #define LOAD(p, n) load_bf16(p, n)
+#define LOADN(p, n) load_bf16n(p, n)
 #define STORE(x) f32_to_bf16(x)
 #define DOT_BF16 HAVE_AVX512BF16
 #include __FILE__
@@ -196,27 +223,27 @@ INLINE v16 NAME(partial_dot)(
 }
 
 /* acc[g] += sum_j p[g][j] * v_j over the tile's first n rows, for G vectors (acc rows
- * stride floats apart, p rows 16). */
+ * stride floats apart, p rows 16), in the machine's own vectors. */
 INLINE void NAME(tile_values)(float *acc, int64_t stride, const float *p, const T *const *vrow,
                               int64_t n, const int64_t head_dim, const int G) {
-    const int64_t chunks = (head_dim + 15) / 16;
+    const int64_t chunks = (head_dim + NL - 1) / NL;
     for (int64_t c0 = 0; c0 < chunks; c0 += VALUE_COLS) {
         const int64_t cols = chunks - c0 < VALUE_COLS ? chunks - c0 : VALUE_COLS;
-        v16 acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
+        vn acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
         for (int g = 0; g < G; g++)
             for (int64_t c = 0; c < cols; c++)
-                memcpy(&acc_v[g][c], acc + g * stride + 16 * (c0 + c), sizeof(v16));
+                memcpy(&acc_v[g][c], acc + g * stride + NL * (c0 + c), sizeof(vn));
         for (int64_t j = 0; j < n; j++) {
             for (int64_t c = 0; c < cols; c++) {
-                const int64_t d = 16 * (c0 + c);
-                vv[c] = LOAD(vrow[j] + d, head_dim - d < 16 ? head_dim - d : 16);
+                const int64_t d = NL * (c0 + c);
+                vv[c] = LOADN(vrow[j] + d, head_dim - d < NL ? head_dim - d : NL);
             }
             for (int g = 0; g < G; g++)
                 for (int64_t c = 0; c < cols; c++) acc_v[g][c] += p[g * 16 + j] * vv[c];
         }
         for (int g = 0; g < G; g++)
             for (int64_t c = 0; c < cols; c++)
-                memcpy(acc + g * stride + 16 * (c0 + c), &acc_v[g][c], sizeof(v16));
+                memcpy(acc + g * stride + NL * (c0 + c), &acc_v[g][c], sizeof(vn));
     }
 }
 
