@@ -13,9 +13,8 @@ torch's own OpenMP threads (``native_build.OPENMP``). A sequence with more than
 groups instead, where SDPA's blocked matmuls beat the kernel's vector-at-a-time scores,
 except in a soft-capped layer (SDPA cannot cap). The plan makes that split once per
 step, and checks every index the kernel will follow (the kernel trusts them), in the
-int32 copies the kernel then reads. A layer's new K/V rows are stored as the torch
-backend stores them (an ``index_put_`` per cache, codes and scales in an int8 cache).
-The library is built once per machine (:mod:`gpu_worker.kernels.native_build`).
+int32/int64 copies the kernel then reads. The library is built once per machine
+(:mod:`gpu_worker.kernels.native_build`).
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class NativeKernels:
-    """The compiled library's attention for one dtype (rows contiguous)."""
+    """The compiled library's two entry points for one dtype (rows contiguous)."""
 
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         self.path, self.dtype = path, dtype
@@ -73,6 +72,16 @@ class NativeKernels:
         compiler's OpenMP decide."""
         self.threads = lib.expeditor_kernel_threads
         """The threads a call may use now (1 without OpenMP)."""
+        self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
+        self._store.restype = None
+        self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
+
+    def store_kv(self, k: Tensor, v: Tensor, caches: Caches, slots: Tensor) -> None:
+        """``k[t]``/``v[t]`` to slot ``slots[t]`` (int64, contiguous; < 0: none)."""
+        cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
+        self._store(
+            *_rows(k), *_rows(v), *cache, slots.data_ptr(), len(slots), *caches[0].shape[1:]
+        )
 
     def attend(
         self,
@@ -137,19 +146,20 @@ class NativeStep:
     tables: torch.Tensor
     lens: torch.Tensor
     starts: torch.Tensor
-    """int32 ``block_tables``, ``seq_lens``, ``query_start_loc``."""
-    tokens: int
-    store: tuple[Tensor, Tensor]
-    stored: Tensor | None
-    """Where the new K/V rows go, stored as the torch backend stores them (``store_index``)."""
+    slots: torch.Tensor
+    """int32 ``block_tables``, ``seq_lens``, ``query_start_loc``; int64 ``slot_mapping``."""
     all_seqs: torch.Tensor
     """Every sequence with query rows (a soft-capped layer's kernel call)."""
     kernel_seqs: torch.Tensor
     """Those with at most :data:`PROMPT_ROWS` rows; the others: ``groups`` (torch's)."""
     groups: list[Group]
+    covered: bool
+    """Every token is a sequence's query row."""
     caches_checked: bool = False
     """The step's first layer found its caches in the kernel's layout (every layer's
     caches are views of one KV tensor: the same dtype and strides)."""
+    quantized_store: tuple[tuple[Tensor, Tensor], Tensor | None] | None = None
+    """An int8 cache's: where the new rows' codes and scales go (``store_index``)."""
 
 
 def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
@@ -190,15 +200,19 @@ class NativeBackend(AttentionBackend):
             torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.int32))
             for n in ("block_tables", "seq_lens", "query_start_loc")
         )
-        tokens = len(arrays["slot_mapping"])
+        slots = torch.from_numpy(np.ascontiguousarray(arrays["slot_mapping"], dtype=np.int64))
+        first, last = (int(starts[0]), int(starts[-1])) if len(starts) else (0, 0)
         q_lens = np.diff(starts.numpy())
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
         long = np.flatnonzero(q_lens > PROMPT_ROWS)
         groups = plan_groups(arrays, block_size, kv_row, self.device, long)
         some, short = torch.from_numpy(q_lens > 0), torch.from_numpy(q_lens <= PROMPT_ROWS)
         seqs = (some.nonzero().view(-1), (some & short).nonzero().view(-1))
-        store = store_index(arrays, block_size, self.device)
-        return NativeStep(tables, lens, starts, tokens, *store, *seqs, groups)
+        covered = first == 0 and last == slots.shape[0]
+        step = NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
+        if self.layout.kv_dtype is not None:
+            step.quantized_store = store_index(arrays, block_size, self.device)
+        return step
 
     def forward(
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
@@ -206,14 +220,19 @@ class NativeBackend(AttentionBackend):
         step: NativeStep = meta.plan
         caches = meta.layer_caches[layer]
         scales = None if meta.layer_scales is None else meta.layer_scales[layer]
-        dtype = self.kernels.dtype
-        if q.dtype != dtype or q.stride(2) != 1 or len(q) != step.tokens:
-            raise ValueError(f"native attention takes {dtype} queries of the step's tokens")
+        dtype, tokens = self.kernels.dtype, step.slots.shape[0]
+        rows = (q, k, v) if scales is None else (q,)  # K/V the kernel stores
+        if not all(t.dtype == dtype and t.stride(2) == 1 and len(t) == tokens for t in rows):
+            raise ValueError(f"native attention takes {dtype} rows of the step's tokens")
         if not step.caches_checked:
             check_caches(caches, scales, dtype)
             step.caches_checked = True
-        k, v = store_layer(caches, scales, step.store, step.stored, k, v, dtype)
-        out = torch.zeros_like(q)
+        if scales is None:
+            self.kernels.store_kv(k, v, caches, step.slots)
+        else:  # codes and scales stored as the torch backend stores them
+            assert step.quantized_store is not None
+            k, v = store_layer(caches, scales, *step.quantized_store, k, v, dtype)
+        out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)

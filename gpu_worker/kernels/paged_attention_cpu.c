@@ -69,7 +69,13 @@ INLINE v16 sum16(const v16 *a) {
         (__typeof__(a_))((m_ & (__typeof__(m_))a_) | (~m_ & (__typeof__(m_))b_)); \
     })
 INLINE float hsum(v16 x) { FOLD(x, ADD); }
-INLINE float hmax(v16 x) { FOLD(x, MAX); }
+INLINE float hmax(v16 x) {
+#if HAVE_AVX512 /* one instruction a level (the fold's MAX keeps NaN semantics: three) */
+    return _mm512_reduce_max_ps((__m512)x);
+#else
+    FOLD(x, MAX);
+#endif
+}
 
 /* The online softmax's step: a row's running max raised to include top (finite); returns
  * the factor its running sums take (0 for the first keys, 1 when the max holds). */
@@ -385,6 +391,25 @@ int NAME(expeditor_paged_attention)(
             }
     }
     return 0;
+}
+
+/* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
+void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T *v,
+                              int64_t v_tok, int64_t v_head, T *key_cache, T *value_cache,
+                              int64_t block_stride, const int64_t *slots, int64_t n_tokens,
+                              int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
+    const int64_t key_row = num_kv_heads * head_dim;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t at = slot / block_size * block_stride + slot % block_size * key_row;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            memcpy(key_cache + at + h * head_dim, k + t * k_tok + h * k_head,
+                   sizeof(T) * head_dim);
+            memcpy(value_cache + at + h * head_dim, v + t * v_tok + h * v_head,
+                   sizeof(T) * head_dim);
+        }
+    }
 }
 
 #undef TILES

@@ -242,6 +242,22 @@ def test_random_steps_match_reference(
         assert torch.equal(outside, torch.zeros_like(outside))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused"])
+def test_store_kv_writes_exactly_the_slotted_rows(native: NativeKernels, layout: str) -> None:
+    kv, meta, layers = make_step([(30, 5), (17, 1), (9, 9)], 2, 2, 24, 4, seed=3, lead_rows=2)
+    slots = meta.slot_mapping.clone()
+    slots[4] = -1  # one more token without a slot
+    k, v = split(layers[1], 4, 2, fused=layout == "fused")[1:]
+    if layout == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    before, expected = kv.clone(), kv.clone()
+    native.store_kv(k, v, (kv[:, 1, 0], kv[:, 1, 1]), slots)
+    store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
+    assert torch.equal(kv.nan_to_num(7.0), expected.nan_to_num(7.0))
+    changed = (kv.nan_to_num(7.0) != before.nan_to_num(7.0)).any(dim=(-1, -2))  # per slot
+    assert int(changed.sum()) == 2 * int((slots >= 0).sum())  # K and V of each slotted token
+
+
 def _set(name: str, index: object, value: Callable[[Tensor, Tensor], int]) -> Callable:
     def mutate(meta: attention.StepMetadata, kv: Tensor) -> None:
         getattr(meta, name)[index] = value(getattr(meta, name), kv)
@@ -297,7 +313,7 @@ def test_the_kernel_reads_its_own_index_copies(case: str) -> None:
     check_native(kv, meta, layers, 2)
     step = meta.plan
     assert (step.tables.dtype, step.lens.dtype, step.starts.dtype) == (torch.int32,) * 3
-    assert step.tables.stride(1) == 1
+    assert step.slots.dtype == torch.int64 and step.tables.stride(1) == 1
 
 
 def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
@@ -308,7 +324,7 @@ def test_the_backend_refuses_what_the_kernel_cannot_read() -> None:
     backend = meta.backend
     for args in (
         (q.double(), k, v, key_cache, value_cache),
-        (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, key_cache, value_cache),
+        (q, k.transpose(1, 2).contiguous().transpose(1, 2), v, key_cache, value_cache),
         (q[:-1], k[:-1], v[:-1], key_cache, value_cache),  # not the step's tokens
         (q, k, v, key_cache, value_cache.half()),
         (q, k, v, key_cache, value_cache.contiguous()),  # another layout
@@ -359,7 +375,11 @@ def test_build_caches_its_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(native_build.subprocess, "run", no_compiling)
     assert native_build.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
-    assert NativeKernels(path).threads() >= 1  # the library loads and runs
+    kv = torch.full((2, 4, 1, 16), float("nan"))
+    rows = torch.randn(3, 1, 16)
+    NativeKernels(path).store_kv(rows, rows, (kv, kv.clone()), torch.tensor([5, -1, 0]))
+    assert torch.equal(kv[1, 1], rows[0]) and torch.equal(kv[0, 0], rows[2])
+    assert int(kv.isnan().all(-1).sum()) == 6
 
 
 def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
