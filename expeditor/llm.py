@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gpu_worker.model_runner import ModelRunner, resolve_device
-from ipc.schema import ErrorCode, Finished, ServerMessage
+from ipc.schema import ErrorCode, ErrorReply, Finished, ServerMessage
 from scheduler_svc.core.request import RejectedError, Request
 from scheduler_svc.core.step_records import StepOutput
 from scheduler_svc.engine_builder import build_engine
@@ -110,6 +110,9 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer, self._collect, self.engine.stop_seq)
         self.finished: dict[str, Completion] = {}
         """Completions of requests queued with :meth:`add_request`, until taken."""
+        self.failed: dict[str, ErrorReply] = {}
+        """Why requests queued with :meth:`add_request` failed while running (no token
+        could be drawn, a structured output's matcher failed), until taken."""
         self._next_id = 0
         self._grammars: GrammarCompiler | None = None
         """Built with the first structured-output request (its tokenizer takes ~0.5 s)."""
@@ -126,7 +129,9 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Run every prompt to completion; raises RejectedError for one that never fits."""
+        """Run every prompt to completion; raises RejectedError for one that never fits,
+        or whose request failed while running (``bad_request``: no token could be drawn
+        for it, or its structured output's matcher failed)."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts, not one string")
         if params is None or isinstance(params, SamplingParams):
@@ -154,6 +159,12 @@ class LLM:
             request_ids.append(request_id)
         while self.has_work():
             self.step()
+        failed = [(i, self.failed.pop(r)) for i, r in enumerate(request_ids) if r in self.failed]
+        if failed:
+            for request_id in request_ids:
+                self.finished.pop(request_id, None)
+            index, error = failed[0]
+            raise RejectedError(error.code, f"prompt {index}: {error.message}")
         return [self.finished.pop(request_id) for request_id in request_ids]
 
     def add_request(
@@ -203,6 +214,8 @@ class LLM:
     def _collect(self, client: bytes, message: ServerMessage) -> None:
         if isinstance(message, Finished):
             self.finished[message.request_id] = message.completion
+        elif isinstance(message, ErrorReply) and message.request_id is not None:
+            self.failed[message.request_id] = message
 
     def close(self) -> None:
         self._release()

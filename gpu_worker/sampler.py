@@ -8,7 +8,9 @@ sample index, hence its own key in step 7). For every row ``r`` it applies, in t
 1. **Masking.** ``masked_token_ids[r]`` (ids ``>= V`` are ignored) get logit ``-inf``.
    The caller passes EOS and the stop token ids while a request is below
    ``min_tokens``, and the last tokens of bad words. At least one token of every row
-   must stay unmasked.
+   should stay unmasked: a row left with none (or whose logits overflow float32, so
+   that the token it would draw has no finite logit) gets the token id
+   :data:`ipc.schema.NO_TOKEN` instead, for the scheduler to fail its request with the reason.
 2. **Float32.** Everything below is computed in float32, whatever the logits dtype.
    Then the shaping of :mod:`gpu_worker.logits_shaping`: allowed tokens, logit bias,
    presence, frequency and repetition penalties (over ``histories[r]``).
@@ -64,6 +66,7 @@ from torch import Tensor
 
 from gpu_worker.logits_shaping import History, shape_logits, shaping_arrays
 from gpu_worker.staging import Staging
+from ipc.schema import NO_TOKEN
 from shared.sampling import SamplingParams
 
 __all__ = ["SampleOutput", "Sampler", "argmax", "sample_key"]
@@ -195,14 +198,19 @@ class Sampler:
         if shaped:
             logits = shape_logits(logits, dev)
         random_rows = host["random_rows"]
-        if random_rows.size == 0:
-            tokens = argmax(logits)
-        elif random_rows.size == num_rows:
-            tokens = self._sample_random(logits, host, dev)
+        if random_rows.size == num_rows:
+            tokens, drawn = self._sample_random(logits, host, dev)
         else:
             tokens = argmax(logits)
-            chosen = self._sample_random(logits.index_select(0, dev["random_rows"]), host, dev)
-            tokens = tokens.index_copy(0, dev["random_rows"], chosen)
+            # A greedy row with nothing to draw picks a -inf (all masked) or an
+            # overflowed logit.
+            drawn = logits.gather(-1, tokens[:, None])[:, 0].isfinite()
+            if random_rows.size:
+                rows = dev["random_rows"]
+                chosen, chosen_drawn = self._sample_random(logits.index_select(0, rows), host, dev)
+                tokens = tokens.index_copy(0, rows, chosen)
+                drawn = drawn.index_copy(0, rows, chosen_drawn)
+        tokens = torch.where(drawn, tokens, NO_TOKEN)  # in the same transfer
         if not want_logprobs:
             return SampleOutput(token_ids=staging.to_host(tokens), logprobs=[None] * num_rows)
         return _with_logprobs(logits, tokens, params, staging)
@@ -215,9 +223,11 @@ class Sampler:
     @staticmethod
     def _sample_random(
         logits: Tensor, host: dict[str, np.ndarray], dev: dict[str, Tensor]
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         """Steps 4-7 of the module docstring for float32 ``logits`` of non-greedy rows
-        (the parameters in ``dev`` are those rows')."""
+        (the parameters in ``dev`` are those rows'): their tokens, and whether each had
+        one to draw (a row with every token masked, or an overflowed logit, has NaN
+        probabilities: its pick has none above 0)."""
         num_rows, vocab = logits.shape
         x = (logits - logits.amax(dim=-1, keepdim=True)) / dev["temperature"][:, None]
         if bool((host["min_p"] > 0).any()):
@@ -255,7 +265,8 @@ class Sampler:
                 q.index_copy_(0, dev["keyed"], keyed_exponentials(dev["keys"], vocab))
         # A q of exactly 0 would turn a zero probability into 0/0 = NaN, which argmax
         # would pick; clamping keeps every excluded token at exactly 0.
-        return argmax(probs / q.clamp_min_(_TINY))
+        tokens = argmax(probs / q.clamp_min_(_TINY))
+        return tokens, probs.gather(-1, tokens[:, None])[:, 0] > 0
 
 
 def _top_k_without_sort(x: Tensor, top_k: Tensor, widest: int) -> Tensor:
@@ -293,7 +304,7 @@ def _host_arrays(
             [max(p.temperature, float(_TINY)) for p in chosen], dtype=np.float32
         ),
         "top_k": np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]),
-        "top_p": np.array([p.top_p for p in chosen], dtype=np.float32),
+        "top_p": np.array([max(p.top_p, float(_TINY)) for p in chosen], dtype=np.float32),
         "min_p": np.array([p.min_p for p in chosen], dtype=np.float32),
         "keyed": np.array(keyed, dtype=np.int64),
         "keys": np.array([keys[random_rows[i]] for i in keyed], dtype=np.int64),
@@ -317,7 +328,7 @@ def _with_logprobs(
     -> log_softmax(masked logits); all in one transfer (float64 holds the ids exactly)."""
     num_rows, vocab = logits.shape
     log_probs = logits.log_softmax(dim=-1)
-    chosen_lp = log_probs.gather(-1, tokens[:, None])[:, 0]
+    chosen_lp = log_probs.gather(-1, tokens.clamp_min(0)[:, None])[:, 0]  # NO_TOKEN: any
     width = min(max(p.logprobs or 0 for p in params), vocab)
     parts = [tokens.double(), chosen_lp.double()]
     if width > 0:

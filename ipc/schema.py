@@ -33,6 +33,7 @@ from shared.sampling import SamplingParams
 from shared.worker_settings import WorkerSettings
 
 __all__ = [
+    "NO_TOKEN",
     "Abort",
     "AbortAck",
     "Accepted",
@@ -245,6 +246,11 @@ class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
     """Achieved GFLOP/s of the forwards: their FLOPs over their time."""
 
 
+NO_TOKEN = -1
+"""A sampled token id meaning that none could be drawn: every token was masked (the
+request's constraints leave none), or the logits overflowed float32."""
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_field="type"):
     """What the worker sampled in one step.
 
@@ -256,6 +262,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="result", tag_fi
 
     step: int
     sampled_token_ids: dict[str, list[int]]
+    """Per sequence, its tokens; :data:`NO_TOKEN` where none could be drawn (the
+    scheduler fails the request)."""
     logprobs: dict[str, list[dict[int, float]]] | None = None
     """Per sequence, per token it got: token id -> logprob (sampled + top-k)."""
     prompt_logprobs: dict[str, PromptLogprobs] | None = None

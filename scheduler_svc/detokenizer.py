@@ -26,15 +26,19 @@ class IncrementalDetokenizer:
         *,
         lazy: bool = False,
         keep_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         """``lazy`` (no stop strings): nothing is decoded while tokens come in; the
         whole text is decoded once, by :meth:`flush` at the end. ``keep_stop``
         (``include_stop_str_in_output``): the text ends with the stop string found
-        instead of before it."""
+        instead of before it. ``min_tokens``: stop strings are looked for only once
+        there are more tokens than this (vLLM's rule), in the text the later tokens add
+        (with the tail a match may start in)."""
         if lazy and stop:
             raise ValueError("a lazy detokenizer cannot look for stop strings")
         self.lazy = lazy
         self.keep_stop = keep_stop
+        self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         self.stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -85,7 +89,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(self._read_offset - self.WINDOW_TAIL, 0)
         self._read_offset = len(self.token_ids)
         combined = self.text + delta
-        if self.stop:
+        if self.stop and len(self.token_ids) > self.min_tokens:
             start = max(len(self.text) - self._max_stop + 1, 0)
             found = [(i, s) for s in self.stop if (i := combined.find(s, start)) >= 0]
             if found:

@@ -155,6 +155,7 @@ class OutputProcessor:
                 req.params.stop,
                 lazy=lazy,
                 keep_stop=req.params.include_stop_str_in_output,
+                min_tokens=req.params.min_tokens,
             )
         return detok
 
@@ -169,6 +170,8 @@ class OutputProcessor:
     def on_step(self, output: StepOutput) -> None:
         if output.lost:
             return  # nothing of it reached the clients: its requests were re-queued
+        for request_id, why in output.failed:  # what the request asked cannot go on
+            self.fail(request_id, ErrorCode.BAD_REQUEST, why)
         now = output.time
         metrics = self.metrics
         plan = output.plan

@@ -100,6 +100,12 @@ class Constraint:
         """The match is complete and nothing may follow (or the matcher is in error)."""
         return bool(self.matcher.is_stopped() or self.matcher.is_error())
 
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a grammar too complex for the parser's limits, say),
+        or None."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; a cache of the last ``cache_size``

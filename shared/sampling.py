@@ -40,6 +40,8 @@ MAX_LOGIT_BIAS = 1024
 """Most tokens one ``logit_bias`` may name (OpenAI allows 300)."""
 MAX_TOKEN_ID_LIST = 65536
 """Most ids an ``allowed_token_ids`` may list (a vocabulary's worth)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest temperature or repetition penalty: the workers sample in float32."""
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 64
 """Most bad words per request, and tokens per word."""
@@ -125,8 +127,12 @@ class SamplingParams(
                 field="min_tokens",
             )
         self._store("temperature", _float(self.temperature, "temperature"))
-        if self.temperature < 0:
-            _fail("temperature", "must be >= 0", self.temperature)
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            _fail(
+                "temperature",
+                f"must be between 0 and {FLOAT32_MAX:.7g} (float32)",
+                self.temperature,
+            )
         self._store("top_p", _float(self.top_p, "top_p"))
         if not 0 < self.top_p <= 1:
             _fail("top_p", "must be in (0, 1]", self.top_p)
@@ -141,8 +147,9 @@ class SamplingParams(
         for name in ("presence_penalty", "frequency_penalty"):
             self._store(name, _bounded(getattr(self, name), name, -2.0, 2.0))
         self._store("repetition_penalty", _float(self.repetition_penalty, "repetition_penalty"))
-        if self.repetition_penalty <= 0:
-            _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            bounds = f"> 0 and <= {FLOAT32_MAX:.7g} (float32)"
+            _fail("repetition_penalty", f"must be {bounds}", self.repetition_penalty)
         self._store("min_p", _bounded(self.min_p, "min_p", 0.0, 1.0))
         self._store("logit_bias", _logit_bias(self.logit_bias))
         self._store("allowed_token_ids", _ids(self.allowed_token_ids, "allowed_token_ids"))

@@ -50,6 +50,15 @@ class SequenceEnding:
                 self._finish(seq, FinishReason.ABORT)
         return True
 
+    def _fail(self, seq: Sequence, why: str, output: StepOutput) -> None:
+        """End every sample of ``seq``'s request, one of which cannot go on (``why``:
+        for its client, through ``output.failed``)."""
+        request = seq.request
+        output.failed.append((request.request_id, why))
+        for other in list(request.seqs):
+            if other.status is not SeqStatus.FINISHED:
+                self._finish(other, FinishReason.ABORT, output)
+
     def finish_seq(self, seq_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
         """End one sequence early (a stop string the detokenizer found)."""
         seq = self.seqs.get(seq_id)

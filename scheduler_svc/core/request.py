@@ -48,6 +48,11 @@ class TokenConstraint(Protocol):
         """The match is complete: nothing may follow."""
         ...
 
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (it then allows nothing), or None."""
+        ...
+
 
 class RejectedError(Exception):
     """A request refused at submission; ``code`` is what its client gets in the

@@ -75,6 +75,26 @@ def _sort_key(seq: Sequence) -> QueueKey:
     return seq.key
 
 
+def _no_token(seq: Sequence) -> str:
+    """Why the worker could draw no token for ``seq`` (its NO_TOKEN), naming the fields
+    of its request that mask or shape tokens."""
+    p = seq.request.params
+    fields = {
+        "allowed_token_ids": p.allowed_token_ids,
+        "bad_words": p.bad_words_token_ids,
+        "logit_bias": p.logit_bias,
+        "structured_outputs": p.structured_outputs is not None,
+        "min_tokens": p.min_tokens,
+        "repetition_penalty": p.repetition_penalty != 1.0,
+    }
+    named = ", ".join(name for name, value in fields.items() if value)
+    return (
+        f"no token could be drawn at output token {len(seq.token_ids) - seq.num_prompt_tokens}:"
+        " every token was masked, or the logits overflowed float32"
+        + (f" (the request sets {named})" if named else "")
+    )
+
+
 class Scheduler(SequenceEnding, SpeculativeSteps):
     def __init__(
         self,
@@ -627,6 +647,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
             if (
                 tokens
                 and len(tokens) == 1
+                and tokens[0] >= 0  # NO_TOKEN (-1): _append_token fails the request
                 and plain
                 and seq.constraint is None
                 and not seq.pending_forks
@@ -695,6 +716,9 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         output: StepOutput,
         logprobs: dict[int, float] | None = None,
     ) -> None:
+        if token < 0:  # ipc.schema.NO_TOKEN: the worker could draw nothing
+            self._fail(seq, _no_token(seq), output)
+            return
         if logprobs is not None:
             output.logprobs[len(output.new_tokens)] = logprobs
         token_ids = seq.token_ids
@@ -704,8 +728,11 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
         constraint = seq.constraint
         if constraint is not None and (not constraint.accept(token) or constraint.done):
             # The match is complete (or, with a token the mask did not allow, cannot go
-            # on): nothing may follow.
-            self._finish(seq, FinishReason.STOP, output)
+            # on): nothing may follow. A matcher that failed fails the request.
+            if (error := constraint.error) is not None:
+                self._fail(seq, f"structured_outputs: the matcher failed: {error}", output)
+            else:
+                self._finish(seq, FinishReason.STOP, output)
             return
         # seq.stop_ids and seq.max_num_tokens hold the request's stop rules (EOS unless
         # ignore_eos, stop_token_ids; max_tokens, max_model_len), read from the sequence.

@@ -64,6 +64,10 @@ class StepOutput:
     prompt_logprobs: list[tuple[str, PromptLogprobs]] = field(default_factory=list)
     """(request id, the prompt positions its step computed the logprobs of), where the
     request asked for them; a recomputed prefill repeats positions."""
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """(request id, why) of requests ended because a sample could not go on: the worker
+    could draw no token for it, or its structured-output matcher failed. Their samples
+    end with ``abort``; the output path sends their clients the reason instead."""
     lost: bool = False
     """The workers lost the step (its result, if any, was dropped with the device
     cache): nothing above was applied, its requests were re-queued."""

@@ -82,6 +82,7 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("frequency_penalty", math.nan),
     ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0),
+    ("repetition_penalty", 1e39),  # past float32: the workers sample in float32
     ("min_p", 1.5),
     ("min_p", -0.1),
     ("logit_bias", {5: 101.0}),
@@ -103,6 +104,7 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("temperature", -0.1),
     ("temperature", math.nan),
     ("temperature", math.inf),
+    ("temperature", 1e39),
     ("temperature", "0.5"),
     ("temperature", True),
     ("top_p", 0.0),

@@ -45,6 +45,10 @@ class Recording:
     def done(self) -> bool:
         return len(self.accepted) >= self.done_after
 
+    @property
+    def error(self) -> str | None:
+        return None  # a refused token without a failed matcher: the sample just stops
+
 
 def add(h: Harness, request_id: str, prompt: int, constraint: Recording, **params: object):
     tokens = h.model.prompt(request_id, prompt)

@@ -221,3 +221,30 @@ def test_bad_constraints_are_refused_naming_the_problem(model: Path) -> None:
     huge = {"type": "object", "description": "x" * MAX_STRUCTURED_BYTES}
     with pytest.raises(InvalidRequestError, match=f"at most {MAX_STRUCTURED_BYTES} bytes"):
         SamplingParams(structured_outputs={"json": huge})
+
+
+def test_requests_that_cannot_go_on_fail_naming_why(model: Path) -> None:
+    """A matcher that fails while generating (a grammar past the parser's limits:
+    llguidance's rows hold at most 2000 items) and constraints that leave no token (a
+    choice its bad word forbids, allowed tokens that the regex cannot take) fail the
+    request with the reason; a request beside them finishes as it would alone."""
+    wide = "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000))
+    alone = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(model, device=DEVICE, dtype="float32") as llm:
+        expected = llm.generate([[1, 7]], alone)[0].token_ids
+        yes, letter = (llm.tokenizer.encode(w, add_special_tokens=False).ids for w in ("yes", "a"))
+        for params, words in (
+            (SamplingParams(max_tokens=6, n=2, structured_outputs={"grammar": wide}),
+             "structured_outputs: the matcher failed"),
+            (SamplingParams(temperature=0.0, max_tokens=6, bad_words_token_ids=[yes],
+                            structured_outputs={"choice": ["yes"]}),
+             "(the request sets bad_words, structured_outputs)"),
+            (SamplingParams(max_tokens=6, allowed_token_ids=letter,
+                            structured_outputs={"regex": "[0-9]+"}),
+             "(the request sets allowed_token_ids, structured_outputs)"),
+        ):  # fmt: skip
+            with pytest.raises(RejectedError, match="prompt 1: ") as info:
+                llm.generate([[1, 7], [1, 5]], [alone, params])
+            assert info.value.code == "bad_request" and words in info.value.message, info.value
+            assert not llm.scheduler.requests and not llm.outputs.requests
+            assert llm.generate([[1, 7]], alone)[0].token_ids == expected

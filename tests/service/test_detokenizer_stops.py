@@ -124,6 +124,18 @@ def test_a_stop_string_split_over_many_deltas_is_found(byte_level: Tokenizer) ->
     assert detok.stop_reason == "✓ 日"
 
 
+def test_stop_strings_count_only_past_min_tokens(byte_level: Tokenizer) -> None:
+    """vLLM's rule: a stop string ends the text once it has more than ``min_tokens``
+    tokens, found in the text those later tokens add."""
+    tokens = byte_ids(byte_level, TEXT)  # a token a byte: "héll" is five
+    detok = IncrementalDetokenizer(byte_level, ("l",), min_tokens=5)
+    assert stream(detok, tokens) == "héllo wör"
+    assert detok.stopped and detok.stop_reason == "l"
+    detok = IncrementalDetokenizer(byte_level, ("l",), min_tokens=4)  # the second "l"
+    assert stream(detok, tokens) == "hél" and detok.stop_reason == "l"
+    assert stream(IncrementalDetokenizer(byte_level, ("l",)), tokens) == "hé"
+
+
 # --------------------------------------------------------------------------- held back text
 
 

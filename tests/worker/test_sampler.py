@@ -6,9 +6,11 @@ import math
 import random
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
+from gpu_worker.logits_shaping import History
 from gpu_worker.sampler import (
     SampleOutput,
     Sampler,
@@ -17,6 +19,7 @@ from gpu_worker.sampler import (
     open_unit,
     sample_key,
 )
+from ipc.schema import NO_TOKEN
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -481,3 +484,53 @@ def test_keyed_uniforms_stay_inside_the_open_interval() -> None:
     u = open_unit(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64))
     assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
     assert float(u[0]) == 0.5 / 2**23 and float(u[-1]) == 1 - 0.5 / 2**23
+
+
+# --------------------------------------------------------------------------- no token to draw
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_row_with_nothing_to_draw_gets_no_token(logprobs: int | None) -> None:
+    """Every token masked (here, or by allowed_token_ids against the mask), greedy or
+    random, seeded or not: NO_TOKEN for that row, the other rows as without it."""
+    vocab = 12
+    logits = random_logits(5, vocab, seed=3)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=logprobs),
+        SamplingParams(temperature=0.8, logprobs=logprobs),
+        SamplingParams(temperature=0.8, seed=5, logprobs=logprobs),
+        SamplingParams(temperature=0.0, allowed_token_ids=(4,), logprobs=logprobs),
+        SamplingParams(temperature=0.7, top_p=0.5, logprobs=logprobs),
+    ]
+    everything = list(range(vocab))
+    masked = [everything, everything, everything, [4], [1]]
+    out = sample(logits, params, [None, None, sample_key(5, 0, 9), None, None], masked)
+    assert out.token_ids[:4] == [NO_TOKEN] * 4
+    alone = sample(logits[4:], params[4:], None, masked[4:])
+    assert out.token_ids[4] == alone.token_ids[0] not in (NO_TOKEN, 1)
+
+
+def test_overflowed_logits_give_no_token_not_a_masked_one() -> None:
+    """A repetition penalty that pushes a logit past float32 leaves nothing finite to
+    draw: NO_TOKEN (before, the row drew token 0, masked or not)."""
+    logits = torch.full((2, 8), -1.0)
+    logits[:, 5] = 10.0  # / 1e-38: past float32
+    penalised = SamplingParams(temperature=1.0, repetition_penalty=1e-38, seed=1)
+    history = History(np.array([5]), np.zeros(0, dtype=np.int64))
+    for params in (penalised, SamplingParams(temperature=0.0, repetition_penalty=1e-38)):
+        out = SAMPLER.sample(logits, [params] * 2, [sample_key(1, 0, 0)] * 2, [[0], [0]],
+                             [history] * 2)  # fmt: skip
+        assert out.token_ids == [NO_TOKEN, NO_TOKEN]
+
+
+def test_float32_extremes_of_top_p_and_temperature_still_draw_allowed_tokens() -> None:
+    """``top_p`` below float32's smallest value keeps the most likely token (it was cast
+    to 0, which kept none); the largest temperature keeps masked tokens masked."""
+    logits = random_logits(3, 16, seed=8)
+    best = int(logits[0].argmax())
+    tiny = SamplingParams(temperature=1.0, top_p=1e-46)
+    assert sample(logits[:1], [tiny]).token_ids == [best]
+    hot = SamplingParams(temperature=3.4e38, seed=2)
+    for position in range(20):
+        token = sample(logits[:1], [hot], [sample_key(2, 0, position)], [range(1, 16)]).token_ids
+        assert token == [0]
