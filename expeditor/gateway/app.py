@@ -52,6 +52,7 @@ from expeditor.gateway.protocol import (
 )
 from expeditor.gateway.replicas import ReplicaRouter, merge_replies
 from expeditor.gateway.responses import error_body, error_of, json_bytes
+from expeditor.gateway.tools import plan_tools
 from ipc.async_client import AsyncClient
 from ipc.errors import (
     ClientClosedError,
@@ -467,6 +468,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             if (body.prompt is None) == (body.messages is None):
                 raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
             if body.messages is not None:
+                if not body.messages:
+                    raise GatewayRequestError("messages: must not be empty", param="messages")
+                plan_tools(body.tools, "none", None, "none")  # checked as chat checks them
                 text = await render_messages(
                     model.template(),
                     body.messages,

@@ -301,11 +301,19 @@ def _response_format(value: Any) -> dict[str, Any] | None:
             param="response_format",
         )
     kind = value["type"]
+    spec = value.get("json_schema")
+    extra = sorted({*value} - {"type", *(("json_schema",) if kind == "json_schema" else ())})
+    if isinstance(spec, dict):
+        extra += sorted({*spec} - {"name", "description", "schema", "strict"})
+    if extra:
+        raise GatewayRequestError(
+            f"response_format: unknown field {extra[0]!r} for type {kind}",
+            param="response_format",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
-    spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise GatewayRequestError(
             "response_format: json_schema needs {json_schema: {name, schema}}",

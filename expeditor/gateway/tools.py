@@ -164,6 +164,13 @@ def _choice(value: Any, names: list[str]) -> tuple[str, str | None]:
             f'"function": {{"name": ...}}}}, got {_shown(value)}',
             param="tool_choice",
         )
+    extra = sorted({*value} - {"type", "function"}) + sorted({*function} - {"name"})
+    if extra:
+        raise GatewayRequestError(
+            f"tool_choice: unknown field {extra[0]!r} (a named choice is "
+            '{"type": "function", "function": {"name": ...}})',
+            param="tool_choice",
+        )
     if name not in names:
         raise GatewayRequestError(
             f"tool_choice: no tool named {name!r} in tools", param="tool_choice"

@@ -453,6 +453,8 @@ CHAT = [
 TOKENIZE = [
     (f'"prompt": "hi", "x": {DEEP}', "x"),  # an unknown field, refused by name
     (f'"messages": [{{"role": "user", "content": {DEEPISH}}}]', "messages"),
+    ('"messages": []', "messages"),  # as chat refuses them
+    ('"messages": [{"role": "user", "content": "hi"}], "tools": [{"bad": 1}]', "tools"),
 ]
 
 

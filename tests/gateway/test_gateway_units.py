@@ -92,6 +92,17 @@ def test_prompt_forms() -> None:
         ),
         (b'{"prompt": "x", "response_format": {"type": "xml"}}', "response_format", "json_schema"),
         (
+            b'{"prompt": "x", "response_format": {"type": "json_object", "extra": 1}}',
+            "response_format",
+            "unknown field 'extra'",
+        ),
+        (
+            b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
+            b'{"name": "n", "schema": {}, "strict": true, "x": 1}}}',
+            "response_format",
+            "unknown field 'x'",
+        ),
+        (
             b'{"prompt": "x", "guided_whitespace_pattern": " "}',
             "guided_whitespace_pattern",
             "not supported",
@@ -556,6 +567,10 @@ def test_tool_plans() -> None:
         (([_tool("f")], None, "yes", "hermes"), "parallel_tool_calls", "boolean"),
         ((None, {"type": "function", "function": {"name": "f"}}, None, "hermes"),
          "tool_choice", "needs tools"),
+        (([_tool("f")], {"type": "function", "function": {"name": "f"}, "x": 1}, None, "hermes"),
+         "tool_choice", "unknown field 'x'"),
+        (([_tool("f")], {"type": "function", "function": {"name": "f", "y": 2}}, None, "hermes"),
+         "tool_choice", "unknown field 'y'"),
     ]  # fmt: skip
     for args, param, words in cases:
         with pytest.raises(GatewayRequestError) as info:
