@@ -8,12 +8,13 @@ readable next to the OpenAI reference).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from expeditor.gateway.protocol import GatewayRequestError
+from expeditor.gateway.protocol import ChatCompletionRequest, CompletionRequest, GatewayRequestError
 from ipc.errors import (
     ClientClosedError,
     ClientTimeoutError,
@@ -65,6 +66,18 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+_FIELDS = {*CompletionRequest.__struct_fields__, *ChatCompletionRequest.__struct_fields__}
+_LEADING_FIELD = re.compile(r"([a-z_]+)(?:\[\d+\])?: ")
+
+
+def _param(message: str) -> str | None:
+    """The request field a scheduler's refusal starts by naming (``logit_bias: ...``), as
+    the body calls it, or None."""
+    match = _LEADING_FIELD.match(message)
+    name = match and {"bad_words_token_ids": "bad_words"}.get(match[1], match[1])
+    return name if name in _FIELDS else None
+
+
 def error_of(exc: Exception) -> dict[str, Any]:
     """The error object for anything a request raised: the gateway's own refusals, the
     scheduler's (by its error code), and a scheduler that does not answer; anything else
@@ -81,7 +94,7 @@ def error_of(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ServerError):
         if exc.code == "internal":
             return error_body(exc.message, "InternalServerError", 500)
-        return error_body(exc.message, "BadRequestError", 400)
+        return error_body(exc.message, "BadRequestError", 400, _param(exc.message))
     if isinstance(exc, ServerUnavailableError | ClientClosedError | ClientTimeoutError):
         message = f"the scheduler does not answer: {exc}"
         return error_body(message, "ServiceUnavailableError", 503)

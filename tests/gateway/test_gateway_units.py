@@ -599,3 +599,24 @@ def test_the_body_routers_forward_is_accepted() -> None:
     assert params.include_stop_str_in_output is False and params.max_tokens == 2
     kept = raw.replace(b'"no_stop_trim": false', b'"no_stop_trim": true')
     assert decode_body(kept, CompletionRequest).check().include_stop_str_in_output is True
+
+
+def test_the_schedulers_refusals_name_the_body_field_they_start_with() -> None:
+    """A scheduler's 400 (``ServerError``) carries ``param`` when its message starts by
+    naming a field of the body (an index allowed), as the body calls it."""
+    from expeditor.gateway.responses import error_of
+    from ipc.errors import ServerError
+    from ipc.schema import ErrorCode
+
+    for message, param in (
+        ("logit_bias: token id 99999 is outside the vocabulary (size 320)", "logit_bias"),
+        ("prompt[2]: token id 999 is outside the vocabulary", "prompt"),
+        ("bad_words_token_ids: token id 400 is outside the vocabulary", "bad_words"),
+        ("structured_outputs: regex: unclosed group", "structured_outputs"),
+        ("no token could be drawn at output token 0: every token was masked", None),
+        ("worker_state: not a field", None),
+    ):
+        error = error_of(ServerError(ErrorCode.BAD_REQUEST, message))["error"]
+        assert (error["code"], error["param"], error["message"]) == (400, param, message)
+    internal = error_of(ServerError(ErrorCode.INTERNAL, "prompt: a bug"))["error"]
+    assert (internal["code"], internal["param"]) == (500, None)
