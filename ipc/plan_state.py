@@ -291,17 +291,19 @@ class WorkerState:
         """Append each sequence's own sampled token (the first; forked samples are new
         sequences the scheduler sends in a later plan); a speculating one's proposal
         (``proposals``) gives way to its tokens, the accepted proposals and the one
-        after them, and only what those computed stays computed."""
+        after them, and only what those computed stays computed. A :data:`NO_TOKEN` is
+        kept as token 0: the scheduler fails its request, but a step it planned before
+        it knew (overlapped scheduling) still computes the position, and any id will do."""
         for seq_id, tokens in sampled.items():
             seq = self.get(seq_id)
             if seq.num_computed_tokens != len(seq.token_ids) or not tokens:
                 raise WorkerStateError(f"{seq_id!r}: sampled a token where none was due")
             proposal = proposals.get(seq_id) if proposals else None
             if proposal is None:
-                seq.token_ids.append(tokens[0])
+                seq.token_ids.append(max(tokens[0], 0))  # NO_TOKEN (-1): 0
                 continue
             del seq.token_ids[len(seq.token_ids) - len(proposal) :]
-            seq.token_ids.extend(tokens)
+            seq.token_ids.extend(max(token, 0) for token in tokens)
             seq.num_computed_tokens = len(seq.token_ids) - 1
             keep = -(-seq.num_computed_tokens // self.block_size)  # blocks it fills
             del seq.block_ids[keep * self.num_groups :]

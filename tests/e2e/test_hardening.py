@@ -207,6 +207,34 @@ def test_token_ids_outside_the_vocabulary_are_bad_requests(server, token: int) -
     _serving(address)
 
 
+def test_a_request_with_nothing_to_draw_fails_alone_and_the_worker_serves_on(server) -> None:
+    """Constraints that mask every token: the request fails naming why, again and again,
+    while a request beside it finishes and the worker stays the same process (with
+    overlapped scheduling the next step is planned before the worker's NO_TOKEN is back,
+    and computes that position)."""
+    address, proc = server
+    worker = _pid_of(proc, "worker")
+
+    async def scenario() -> None:
+        async with AsyncClient(address) as client:
+            beside = asyncio.ensure_future(
+                client.generate(prompt_token_ids=[1, 9], max_tokens=60, ignore_eos=True)
+            )
+            for n in (1, 2, 1):
+                with pytest.raises(BadRequestError, match="no token could be drawn") as info:
+                    await client.generate(
+                        prompt_token_ids=[1, 7], max_tokens=6, n=n, ignore_eos=True,
+                        allowed_token_ids=[7], bad_words_token_ids=[[7]],
+                    )  # fmt: skip
+                assert "allowed_token_ids, bad_words" in str(info.value)
+            done = await beside
+            assert done.finish_reason == "length" and done.usage.completion_tokens == 60
+
+    asyncio.run(scenario())
+    assert _pid_of(proc, "worker") == worker and proc.poll() is None
+    _serving(address)
+
+
 # -- 3. big prompts ---------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from ipc.plan_state import WorkerState, WorkerStateError
-from ipc.schema import BatchPlan, BlockUpdate, NewSeq
+from ipc.schema import NO_TOKEN, BatchPlan, BlockUpdate, NewSeq
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.fake_worker import FakeModel, FakeWorker
 from scheduler_svc.step_engine import InlineExecutor, StepEngine
@@ -105,6 +105,16 @@ def test_a_token_sampled_where_none_is_due_raises() -> None:
         state.append_sampled({"a": [99]})
     with pytest.raises(WorkerStateError, match="unknown"):
         state.append_sampled({"x": [99]})
+
+
+def test_no_token_is_kept_as_a_token_the_model_can_read() -> None:
+    """A step planned before the scheduler learnt of a NO_TOKEN (overlap) computes that
+    position: the worker's copy holds 0 there, never -1 (an embedding index)."""
+    state = holding(new_seq("a"))
+    state.apply(plan(scheduled={"a": 6}))
+    state.append_sampled({"a": [NO_TOKEN]})
+    [item] = state.apply(plan(1, {"a": 1}))
+    assert state.seqs["a"].token_ids[-1] == 0 and item.positions == range(6, 7)
 
 
 # --------------------------------------------------------------------------- the batch
