@@ -81,6 +81,23 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+class _Named(msgspec.Struct):
+    """Any map frame, for the request id it names."""
+
+    request_id: object = None
+
+
+def named_request(frame: memoryview) -> str | None:
+    """The request id a frame that failed to decode names (a Generate whose fields are
+    wrong, say), so that its sender learns which request was refused; None when it names
+    none a client could have sent."""
+    try:
+        request_id = msgspec.msgpack.decode(frame, type=_Named).request_id
+    except Exception:  # not a map, nested too deeply...
+        return None
+    return request_id if isinstance(request_id, str) else None
+
+
 def frame_owner(frame: zmq.Frame, identity: bytes) -> bytes:
     """Who sent ``frame``: ``key:<Z85 public key>`` when the socket authenticates with
     CURVE, else the connection's routing id."""
@@ -194,9 +211,9 @@ class Frontend:
             try:
                 message = client_decoder.decode(frames[1].buffer)
             except Exception as exc:  # any bytes at all: DecodeError, RecursionError...
-                self._refuse(
-                    identity, None, ErrorCode.BAD_REQUEST, f"malformed message: {_describe(exc)}"
-                )
+                request_id = named_request(frames[1].buffer)
+                why = f"malformed message: {_describe(exc)}"
+                self._refuse(identity, request_id, ErrorCode.BAD_REQUEST, why)
                 continue
             try:
                 self._dispatch(identity, frame_owner(frames[1], identity), message)

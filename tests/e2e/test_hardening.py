@@ -235,6 +235,25 @@ def test_a_request_with_nothing_to_draw_fails_alone_and_the_worker_serves_on(ser
     _serving(address)
 
 
+def test_a_generate_the_server_cannot_read_is_refused_to_its_own_request(server) -> None:
+    """Fields the schema refuses (an over-long user, sampling values that fail their
+    checks, an unknown sampling field): the error names the request, so the client's
+    call fails at once instead of waiting for its timeout."""
+    address, proc = server
+    with Client(address, timeout=30) as client:
+        for fields, words in (
+            ({"user": "u" * 257}, "user"),
+            ({"sampling": {"temperature": float("nan")}}, "temperature"),
+            ({"sampling": {"bogus": 1}}, "bogus"),
+        ):
+            started = time.monotonic()
+            with pytest.raises(BadRequestError, match="malformed message") as info:
+                client.generate("hi", **fields)  # type: ignore[arg-type]
+            assert words in str(info.value) and time.monotonic() - started < 10
+        assert client.generate("still serving", max_tokens=2).usage.completion_tokens >= 1
+    assert proc.poll() is None
+
+
 # -- 3. big prompts ---------------------------------------------------------------------
 
 
