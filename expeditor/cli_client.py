@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Annotated, Any
 
@@ -11,8 +12,10 @@ import typer
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from expeditor.cli import app, fail
+from ipc.errors import ClientClosedError, ClientTimeoutError, ServerUnavailableError
 from ipc.schema import InspectReply, StepTimes
 from shared.errors import ConfigError, InvalidRequestError
 from shared.server_config import check_endpoint
@@ -25,6 +28,8 @@ Address = Annotated[
         help="The server's frontend (printed by `expeditor serve`), e.g. ipc:///run/expeditor/frontend.sock.",
     ),
 ]
+_UNREACHABLE = (ServerUnavailableError, ClientTimeoutError, ClientClosedError)
+"""A server that is not there, or does not answer."""
 TimeoutSeconds = Annotated[float, typer.Option(help="Seconds to wait for the server.")]
 CurveServerKey = Annotated[
     str,
@@ -47,10 +52,15 @@ CurveClientKey = Annotated[
 ]
 
 
-def _client_options(address: str, server_key: str, client_key: str) -> dict[str, bytes]:
-    """Check the address; the CURVE keyword arguments for the client (none without keys)."""
+def _client_options(
+    address: str, server_key: str, client_key: str, timeout: float
+) -> dict[str, bytes]:
+    """Check the address and the timeout; the CURVE keyword arguments for the client
+    (none without keys)."""
     from ipc.curve import client_curve_options
 
+    if not (timeout > 0 and math.isfinite(timeout)):
+        fail(f"--timeout must be a positive number of seconds, got {timeout}")
     if not address:
         fail("--address is required (or set EXPEDITOR_ADDRESS)")
     if bool(server_key) != bool(client_key):
@@ -92,17 +102,21 @@ def generate(
 ) -> None:
     """Send one request and print its completion."""
     from ipc.client import Client
-    from ipc.errors import ClientTimeoutError, ServerError
+    from ipc.errors import ServerError
 
-    curve = _client_options(address, curve_server_key, curve_client_key)
+    curve = _client_options(address, curve_server_key, curve_client_key, timeout)
     if (prompt is None) == (token_ids is None):
         fail("give a prompt or --token-ids (exactly one)")
+    if not -(2**63) <= priority < 2**63:
+        fail(f"--priority: {priority} does not fit 64 bits")
     ids = None
     if token_ids is not None:
         try:
-            ids = [int(t) for t in token_ids.split(",") if t.strip()]
+            ids = [int(t) for t in token_ids.split(",")]
         except ValueError:
             fail(f"--token-ids: expected comma-separated integers, got {token_ids!r}")
+        if not all(0 <= i < 2**31 for i in ids):
+            fail(f"--token-ids: ids are between 0 and 2**31 - 1, got {token_ids!r}")
     sampling: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -119,6 +133,9 @@ def generate(
                 for delta in events:
                     if json_output:
                         print(json.dumps(msgspec.to_builtins(delta)), flush=True)
+                    elif n > 1:  # the samples' pieces interleave: each on a line, labelled
+                        if delta.text:
+                            print(f"[{delta.index}] {delta.text!r}", flush=True)
                     else:
                         print(delta.text, end="", flush=True)
                 completion = events.completion
@@ -132,8 +149,8 @@ def generate(
         fail(str(exc))
     except ServerError as exc:
         fail(f"server refused: {exc}", code=1)
-    except ClientTimeoutError as exc:
-        fail(str(exc), code=1)
+    except _UNREACHABLE as exc:
+        fail(_unreachable(exc, address), code=1)
     if completion is None:
         return
     if json_output:
@@ -165,6 +182,13 @@ def inspect_json(reply: InspectReply) -> dict[str, Any]:
             "step_times_total": reply.step_times_total,
         }
     )
+
+
+def plain(value: str) -> Text:
+    """Text a client chose (a request id) as it is: no rich markup, and control
+    characters written as escapes rather than sent to the operator's terminal."""
+    shown = (c if c.isprintable() else c.encode("unicode_escape").decode() for c in value)
+    return Text("".join(shown))
 
 
 def render(reply: InspectReply) -> Group:
@@ -221,7 +245,7 @@ def render(reply: InspectReply) -> Group:
         seqs.add_column(column)
     for info in snap.seqs if snap is not None else []:
         seqs.add_row(
-            info.seq_id,
+            plain(info.seq_id),
             info.state,
             str(info.priority),
             str(info.num_prompt_tokens),
@@ -247,11 +271,11 @@ def inspect(
 ) -> None:
     """Show a live server's state: queues, requests, block usage, prefix cache, workers."""
     from ipc.client import Client
-    from ipc.errors import ClientTimeoutError, ServerError
+    from ipc.errors import ServerError
 
-    curve = _client_options(address, curve_server_key, curve_client_key)
-    if watch is not None and watch <= 0:
-        fail("--watch must be a positive number of seconds")
+    curve = _client_options(address, curve_server_key, curve_client_key, timeout)
+    if watch is not None and not (watch > 0 and math.isfinite(watch)):
+        fail(f"--watch must be a positive number of seconds, got {watch}")
     try:
         with Client(address, timeout=timeout, **curve) as client:
             if watch is None:
@@ -271,8 +295,17 @@ def inspect(
                     live.update(render(client.inspect()))
     except KeyboardInterrupt:
         return
-    except (ServerError, ClientTimeoutError) as exc:
-        fail(f"{exc} (is the server at {address} running?)", code=1)
+    except ServerError as exc:
+        fail(f"server refused: {exc}", code=1)
+    except _UNREACHABLE as exc:
+        fail(_unreachable(exc, address), code=1)
+
+
+def _unreachable(exc: Exception, address: str) -> str:
+    """What to say of a server that is not there or did not answer."""
+    if "running?" in str(exc):
+        return str(exc)  # it asks already
+    return f"{exc} (is the server at {address} running?)"
 
 
 def step_times_line(times: StepTimes) -> str:

@@ -241,6 +241,8 @@ def cleanup_shm(
     Only this user's segments whose owning process is gone are touched; safe to run at
     any time (the scheduler unit runs it as ExecStopPost=).
     """
+    if not shm_dir.is_dir():
+        fail(f"--shm-dir: {shm_dir} is not a directory")
     removed = remove_stale_segments(shm_dir)
     for segment in removed:
         print(f"removed {segment.name} ({segment.size} bytes)")
