@@ -8,10 +8,12 @@ import asyncio
 import logging
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from ipc.schema import ClientMessage, encode
+from shared.errors import InvalidRequestError
 
 __all__ = ["CurveKeys", "connect", "curve_keys", "send", "send_nowait"]
 
@@ -67,7 +69,7 @@ async def send(
     """Send one frame. A send held up by a full socket (the server has read nothing for
     long) adds a future to ``stuck_sends`` and gives up, the frame unsent, once that
     future is done (the client's ``_fail_all`` sets it)."""
-    sent = socket.send(encode(message))
+    sent = socket.send(_encoded(message))
     if not sent.done():
         given_up = asyncio.get_running_loop().create_future()
         stuck_sends.add(given_up)
@@ -85,8 +87,19 @@ def send_nowait(socket: zmq.asyncio.Socket | None, message: ClientMessage) -> No
     """Best-effort send that never waits; nothing without an open socket."""
     if socket is None or socket.closed:
         return
-    sent = asyncio.ensure_future(socket.send(encode(message), zmq.NOBLOCK))
+    sent = asyncio.ensure_future(socket.send(_encoded(message), zmq.NOBLOCK))
     sent.add_done_callback(_log_send_failure)
+
+
+def _encoded(message: ClientMessage) -> bytes:
+    """The frame; :class:`InvalidRequestError` for values msgpack cannot carry (a lone
+    surrogate in a string, an integer past 64 bits, nesting past the recursion limit)."""
+    try:
+        return encode(message)
+    except RecursionError:
+        raise InvalidRequestError("the request cannot be sent: nested too deeply") from None
+    except (OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
+        raise InvalidRequestError(f"the request cannot be sent: {exc}") from None
 
 
 def _log_send_failure(future: asyncio.Future[Any]) -> None:

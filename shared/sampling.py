@@ -222,6 +222,8 @@ def _int(
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         _fail(name, f"must be {bounds}", value, field=field)
+    if value > MAX_SEED:  # every integer travels as an int64
+        _fail(name, f"must be at most {MAX_SEED} (int64)", value, field=field)
     return value
 
 

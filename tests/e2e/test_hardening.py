@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from ipc.errors import (
 )
 from ipc.schema import ErrorReply, client_decoder, server_decoder
 from scheduler_svc.launch import running_server
+from shared.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +254,24 @@ def test_a_generate_the_server_cannot_read_is_refused_to_its_own_request(server)
             assert words in str(info.value) and time.monotonic() - started < 10
         assert client.generate("still serving", max_tokens=2).usage.completion_tokens >= 1
     assert proc.poll() is None
+
+
+def test_values_a_frame_cannot_carry_are_refused_by_the_client(server) -> None:
+    """A lone surrogate, integers past 64 bits: InvalidRequestError (naming the field
+    where the sampling checks see it) instead of the encoder's own error, and the client
+    goes on."""
+    address, _ = server
+    with Client(address, timeout=30) as client:
+        for args, fields, words in (
+            (("bad \ud800",), {}, "surrogates not allowed"),
+            (("x",), {"max_tokens": 2**70}, "max_tokens: must be at most"),
+            (("x",), {"top_k": 2**64}, "top_k: must be at most"),
+            ((), {"prompt_token_ids": [2**64]}, "cannot be sent"),
+            (("x",), {"priority": 2**70}, "cannot be sent"),
+        ):
+            with pytest.raises(InvalidRequestError, match=re.escape(words)):
+                client.generate(*args, **fields)  # type: ignore[arg-type]
+        assert client.generate("fine", max_tokens=2).usage.completion_tokens >= 1
 
 
 # -- 3. big prompts ---------------------------------------------------------------------
