@@ -94,6 +94,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+ABORT_LINGER_MS = 500
+"""How long a closed client's socket keeps trying to deliver the aborts of its calls
+still in flight (the context's I/O thread sends them; close does not wait)."""
 
 
 class AsyncClient:
@@ -323,9 +326,10 @@ class AsyncClient:
         return loop.time() - start
 
     async def close(self) -> None:
-        """Stop the background tasks and close the socket (LINGER 0). Calls still
-        waiting raise :class:`~ipc.errors.ClientClosedError`; requests still running on
-        the server are reaped by it after its ``client_timeout_s``. Idempotent."""
+        """Stop the background tasks and close the socket. Calls still waiting raise
+        :class:`~ipc.errors.ClientClosedError`, and their requests are aborted on the
+        server (the aborts get :data:`ABORT_LINGER_MS` to leave; a request whose abort
+        is lost is reaped by the server after its ``client_timeout_s``). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -334,9 +338,14 @@ class AsyncClient:
             task.cancel()
         if tasks and self._loop is asyncio.get_running_loop():
             await asyncio.gather(*tasks, return_exceptions=True)
+        in_flight = list(self._requests) if self._loop is asyncio.get_running_loop() else []
+        for request_id in in_flight:
+            self._send_nowait(Abort(request_id=request_id))
+        if in_flight:
+            await asyncio.sleep(0)  # the sends queue their frames
         self._fail_all(lambda: ClientClosedError("the client was closed"))
         if self._socket is not None:
-            self._socket.close(linger=0)
+            self._socket.close(linger=ABORT_LINGER_MS if in_flight else 0)
 
     @property
     def closed(self) -> bool:

@@ -26,6 +26,7 @@ from gpu_worker.tiny_model import VOCAB_SIZE
 from ipc.client import AsyncClient, Client
 from ipc.errors import (
     BadRequestError,
+    ClientClosedError,
     QuarantinedError,
     RequestRejectedError,
     ShuttingDownError,
@@ -272,6 +273,38 @@ def test_values_a_frame_cannot_carry_are_refused_by_the_client(server) -> None:
             with pytest.raises(InvalidRequestError, match=re.escape(words)):
                 client.generate(*args, **fields)  # type: ignore[arg-type]
         assert client.generate("fine", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_closing_a_client_aborts_its_requests_at_once(server) -> None:
+    """A client closed with a stream and a call in flight: the calls fail with
+    ClientClosedError and the server aborts both requests at once (not after its
+    client_timeout_s of silence)."""
+    address, _ = server
+
+    async def scenario() -> None:
+        client = AsyncClient(address)
+        stream = client.stream(prompt_token_ids=[1, 8], max_tokens=500, ignore_eos=True)
+        deltas = stream.__aiter__()
+        await deltas.__anext__()
+        call = asyncio.ensure_future(
+            client.generate(prompt_token_ids=[1, 9], max_tokens=500, ignore_eos=True)
+        )
+        await asyncio.sleep(0.1)
+        await client.close()
+        with pytest.raises(ClientClosedError):
+            await call
+
+    with Client(address) as client:
+        before = client.inspect().snapshot
+        assert before is not None
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 30
+        while (after := client.inspect().snapshot) is not None and after.seqs:
+            assert time.monotonic() < deadline, [s.seq_id for s in after.seqs]
+            time.sleep(0.1)
+        assert after is not None
+    ended = {k: after.finished.get(k, 0) - before.finished.get(k, 0) for k in after.finished}
+    assert ended.get("abort") == 2 and not ended.get("length"), ended  # not run to the end
 
 
 # -- 3. big prompts ---------------------------------------------------------------------
