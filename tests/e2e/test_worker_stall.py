@@ -99,10 +99,18 @@ def test_the_outage_request_gets_a_400_and_the_server_keeps_serving(model: Path)
         assert status == 400, body
         assert "stop_token_ids" in body["error"]["message"]
         assert str(MAX_STOP_TOKEN_IDS) in body["error"]["message"]
-        allowed = dict(outage, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+        # As many stop ids as allowed; below min_tokens they are masked, and ids 0-99
+        # stay drawable (the tiny model has 320).
+        ids = list(range(100, 100 + MAX_STOP_TOKEN_IDS))
+        allowed = dict(outage, stop_token_ids=ids)
         status, body = post_json(url, "/v1/completions", allowed, timeout=SERVE_SAFETY_S)
         assert status == 200, body
         assert len(body["choices"]) == 64
+        # Stop ids covering the whole vocabulary leave nothing to draw below min_tokens.
+        every = dict(outage, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+        status, body = post_json(url, "/v1/completions", every, timeout=SERVE_SAFETY_S)
+        assert status == 400 and "no token could be drawn" in body["error"]["message"], body
+        assert "(the request sets min_tokens)" in body["error"]["message"]
         status, body = post_json(
             url, "/v1/completions", {"prompt": [1, 5], "max_tokens": 3}, timeout=SERVE_SAFETY_S
         )
