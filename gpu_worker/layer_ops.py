@@ -18,7 +18,6 @@ so the results are torch's bit for bit but for the order RMSNorm sums its square
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpu_worker.kernels.native_build import built
+from gpu_worker.kernels.native_build import library
 
 __all__ = ["NativeOps", "Norm", "TorchOps", "choose_ops", "rms_norm"]
 
@@ -140,17 +139,6 @@ def _check(*tensors: tuple[Tensor, tuple[int, ...]]) -> None:
             )
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    path = built()
-    if isinstance(path, str):
-        return path
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as exc:
-        return str(exc)
-
-
 def choose_ops(
     dtype: torch.dtype, device: torch.device, env: Mapping[str, str] = os.environ
 ) -> tuple[TorchOps, str | None]:
@@ -162,7 +150,7 @@ def choose_ops(
         return TorchOps(), None
     if env.get("EXPEDITOR_NATIVE_CPU", "1") == "0":
         return TorchOps(), "layer operations in torch (EXPEDITOR_NATIVE_CPU=0)"
-    library = _library()
-    if isinstance(library, str):
-        return TorchOps(), f"layer operations in torch (no native library: {library})"
-    return NativeOps(library), "bf16 layer operations in C"
+    loaded = library()
+    if isinstance(loaded, str):
+        return TorchOps(), f"layer operations in torch (no native library: {loaded})"
+    return NativeOps(loaded.cdll), "bf16 layer operations in C"

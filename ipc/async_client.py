@@ -336,9 +336,10 @@ class AsyncClient:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        if tasks and self._loop is asyncio.get_running_loop():
+        on_own_loop = self._loop is asyncio.get_running_loop()
+        if tasks and on_own_loop:
             await asyncio.gather(*tasks, return_exceptions=True)
-        in_flight = list(self._requests) if self._loop is asyncio.get_running_loop() else []
+        in_flight = list(self._requests) if on_own_loop else []
         for request_id in in_flight:
             self._send_nowait(Abort(request_id=request_id))
         if in_flight:

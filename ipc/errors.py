@@ -26,6 +26,7 @@ from typing import Any
 from ipc.schema import ErrorCode, ErrorReply
 
 __all__ = [
+    "UNREACHABLE",
     "BadRequestError",
     "ClientClosedError",
     "ClientTimeoutError",
@@ -160,3 +161,8 @@ class ServerUnavailableError(ConnectionError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.address, self.silent_s))
+
+
+UNREACHABLE = (ServerUnavailableError, ClientTimeoutError, ClientClosedError)
+"""The failures on the client's side: the server is not there, did not answer in time,
+or the client closed (catch these as one)."""

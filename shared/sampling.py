@@ -35,7 +35,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids one request may give (every sample carries the request's set;
 the min-tokens mask holds them)."""
-MAX_SEED = 2**63 - 1
+INT64_MAX = 2**63 - 1
+"""The largest integer a request carries (they travel as int64)."""
+MAX_SEED = INT64_MAX
 MAX_LOGIT_BIAS = 1024
 """Most tokens one ``logit_bias`` may name (OpenAI allows 300)."""
 MAX_TOKEN_ID_LIST = 65536
@@ -222,8 +224,8 @@ def _int(
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         _fail(name, f"must be {bounds}", value, field=field)
-    if value > MAX_SEED:  # every integer travels as an int64
-        _fail(name, f"must be at most {MAX_SEED} (int64)", value, field=field)
+    if value > INT64_MAX:
+        _fail(name, f"must be at most {INT64_MAX} (int64)", value, field=field)
     return value
 
 

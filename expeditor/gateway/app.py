@@ -55,10 +55,8 @@ from expeditor.gateway.responses import error_body, error_of, json_bytes
 from expeditor.gateway.tools import plan_tools
 from ipc.async_client import AsyncClient
 from ipc.errors import (
-    ClientClosedError,
-    ClientTimeoutError,
+    UNREACHABLE,
     ServerError,
-    ServerUnavailableError,
 )
 from ipc.schema import HealthState
 from shared.config_fields import field_spec
@@ -438,7 +436,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return await _replicas_health(gateway)
         try:
             status = await gateway.client.health(timeout=HEALTH_TIMEOUT_S)
-        except (ServerError, ServerUnavailableError, ClientTimeoutError, ClientClosedError):
+        except (ServerError, *UNREACHABLE):
             return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
         serving = status.status in (HealthState.OK, HealthState.DEGRADED)
         body = {

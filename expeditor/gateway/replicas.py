@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from ipc.async_client import AsyncClient
-from ipc.errors import ClientClosedError, ClientTimeoutError, ServerError, ServerUnavailableError
+from ipc.errors import UNREACHABLE, ServerError
 from ipc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from ipc.schema import HealthState, HistogramData, MetricsReply
 from scheduler_svc.core.block_pool import chain_hash
@@ -44,7 +44,7 @@ log = logging.getLogger("expeditor.gateway")
 HEALTH_INTERVAL_S = 1.0
 IMBALANCE_MIN = 4
 IMBALANCE_RATIO = 2.0
-UNAVAILABLE = (ServerUnavailableError, ClientTimeoutError, ClientClosedError, ServerError)
+UNAVAILABLE = (*UNREACHABLE, ServerError)
 
 
 class ReplicaRouter:

@@ -16,12 +16,10 @@ import msgspec
 
 from expeditor.gateway.protocol import ChatCompletionRequest, CompletionRequest, GatewayRequestError
 from ipc.errors import (
-    ClientClosedError,
-    ClientTimeoutError,
+    UNREACHABLE,
     OverloadedError,
     QuarantinedError,
     ServerError,
-    ServerUnavailableError,
     ShuttingDownError,
     WorkerLostError,
 )
@@ -95,7 +93,7 @@ def error_of(exc: Exception) -> dict[str, Any]:
         if exc.code == "internal":
             return error_body(exc.message, "InternalServerError", 500)
         return error_body(exc.message, "BadRequestError", 400, _param(exc.message))
-    if isinstance(exc, ServerUnavailableError | ClientClosedError | ClientTimeoutError):
+    if isinstance(exc, UNREACHABLE):
         message = f"the scheduler does not answer: {exc}"
         return error_body(message, "ServiceUnavailableError", 503)
     log.error("a request failed", exc_info=exc)

@@ -38,7 +38,7 @@ from gpu_worker.attention.torch_backend import (
     store_layer,
 )
 from gpu_worker.kernels.attention_args import AttentionParams
-from gpu_worker.kernels.native_build import built
+from gpu_worker.kernels.native_build import library
 from gpu_worker.kernels.warmup import CacheLayout
 
 __all__ = ["NativeBackend", "NativeKernels", "NativeStep", "check_step", "load"]
@@ -60,9 +60,12 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class NativeKernels:
     """The compiled library's two entry points for one dtype (rows contiguous)."""
 
-    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, path: Path, dtype: torch.dtype = torch.float32, lib: ctypes.CDLL | None = None
+    ) -> None:
+        """``lib``: the library at ``path`` loaded already (else it is loaded here)."""
         self.path, self.dtype = path, dtype
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path)) if lib is None else lib
         self._attend = getattr(lib, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
         self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P]
         self._attend.argtypes += [_P, _P, _I, _I, _I, _I, _I, _F, _I, _F]
@@ -116,13 +119,8 @@ def _rows(t: Tensor) -> tuple[int, int, int]:
 
 @functools.cache
 def _loaded(dtype: torch.dtype = torch.float32) -> NativeKernels | str:
-    path = built()
-    if isinstance(path, str):
-        return path
-    try:
-        return NativeKernels(path, dtype)
-    except OSError as exc:
-        return str(exc)
+    loaded = library()
+    return loaded if isinstance(loaded, str) else NativeKernels(loaded.path, dtype, loaded.cdll)
 
 
 def load(

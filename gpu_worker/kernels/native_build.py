@@ -12,6 +12,7 @@ under a temporary name and renamed, so concurrent workers never load half a file
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -20,10 +21,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from shared.paths import cache_dir
 
-__all__ = ["SOURCES", "build", "built", "compiler"]
+__all__ = ["SOURCES", "Library", "build", "compiler", "library"]
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "paged_attention_cpu.c", _HERE / "layer_ops_cpu.c")
@@ -92,11 +94,17 @@ def build(directory: Path | None = None) -> Path:
     raise RuntimeError("the C compiler failed: " + " | ".join(errors))
 
 
+class Library(NamedTuple):
+    path: Path
+    cdll: ctypes.CDLL
+
+
 @functools.cache
-def built() -> Path | str:
-    """This process's library (:func:`build` once, for every user of it), or why there
-    is none."""
+def library() -> Library | str:
+    """This process's library, built (:func:`build`) and loaded once for every user of
+    it (the attention kernel, the layer operations), or why there is none."""
     try:
-        return build()
-    except RuntimeError as exc:
+        path = build()
+        return Library(path, ctypes.CDLL(str(path)))
+    except (RuntimeError, OSError) as exc:
         return str(exc)

@@ -40,24 +40,22 @@ class SequenceEnding:
     _freed_seq_ids: list[str]
     _reset_workers: bool
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request in any state; False if it is unknown or already finished."""
+    def abort(self, request_id: str, output: StepOutput | None = None) -> bool:
+        """Abort a request in any state (its ends recorded in ``output``, if given);
+        False if it is unknown or already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return False
         for seq in list(request.seqs):
             if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq, FinishReason.ABORT)
+                self._finish(seq, FinishReason.ABORT, output)
         return True
 
     def _fail(self, seq: Sequence, why: str, output: StepOutput) -> None:
-        """End every sample of ``seq``'s request, one of which cannot go on (``why``:
-        for its client, through ``output.failed``)."""
-        request = seq.request
-        output.failed.append((request.request_id, why))
-        for other in list(request.seqs):
-            if other.status is not SeqStatus.FINISHED:
-                self._finish(other, FinishReason.ABORT, output)
+        """Abort ``seq``'s request, a sample of which cannot go on (``why``: for its
+        client, through ``output.failed``)."""
+        output.failed.append((seq.request.request_id, why))
+        self.abort(seq.request.request_id, output)
 
     def finish_seq(self, seq_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
         """End one sequence early (a stop string the detokenizer found)."""

@@ -391,7 +391,7 @@ def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         native_build.build(tmp_path / "kernels")
     assert not (tmp_path / "kernels").exists()
     native_backend._loaded.cache_clear()
-    native_build.built.cache_clear()
+    native_build.library.cache_clear()
     try:  # the torch backend runs instead, and says why
         layout = SimpleNamespace(
             num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=None
@@ -402,7 +402,7 @@ def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert backend.name == "torch" and "no C compiler" in why
     finally:
         native_backend._loaded.cache_clear()
-        native_build.built.cache_clear()
+        native_build.library.cache_clear()
 
 
 def test_failing_compiler_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

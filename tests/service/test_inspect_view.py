@@ -40,8 +40,8 @@ def test_client_chosen_ids_are_shown_as_they_are(chosen: str, shown: str) -> Non
         (["inspect", "--timeout", "nan"], "--timeout must be a positive"),
         (["inspect", "--watch", "nan"], "--watch must be a positive"),
         (["generate", "--token-ids", "1,,2"], "expected comma-separated integers"),
-        (["generate", "--token-ids", "99999999999999999999999"], "between 0 and 2**31 - 1"),
-        (["generate", "hi", "--priority", "99999999999999999999999"], "does not fit 64 bits"),
+        (["generate", "--token-ids", "99999999999999999999999"], "cannot be sent"),
+        (["generate", "hi", "--priority", "99999999999999999999999"], "cannot be sent"),
         (["inspect", "--timeout", "0.5"], "running?"),  # nobody there
         (["generate", "hi", "--timeout", "0.5"], "running?"),
         (["cleanup-shm", "--shm-dir", "{tmp}/none"], "is not a directory"),

@@ -118,7 +118,7 @@ def test_only_bf16_on_a_cpu_runs_in_c(native: NativeOps, monkeypatch: pytest.Mon
         assert type(ops) is TorchOps and why is None
     ops, why = choose_ops(BF16, CPU, {"EXPEDITOR_NATIVE_CPU": "0"})
     assert type(ops) is TorchOps and why == "layer operations in torch (EXPEDITOR_NATIVE_CPU=0)"
-    monkeypatch.setattr(layer_ops, "_library", lambda: "no C compiler (set CC, or install cc/gcc)")
+    monkeypatch.setattr(layer_ops, "library", lambda: "no C compiler (set CC, or install cc/gcc)")
     ops, why = choose_ops(BF16, CPU, {})
     assert type(ops) is TorchOps and why is not None and "no C compiler" in why
 
