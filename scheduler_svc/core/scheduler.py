@@ -685,7 +685,10 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 for index, token in enumerate(tokens[1:], start=1):
                     child = self._fork(seq, index)
                     self._append_token(child, token, output, entries[index] if entries else None)
-            self._append_token(seq, tokens[0], output, entries[0] if entries else None)
+                    if seq.status is finished:  # the sample failed its request: no more forks
+                        break
+            if seq.status is not finished:
+                self._append_token(seq, tokens[0], output, entries[0] if entries else None)
         return output
 
     def _fork(self, parent: Sequence, sample_index: int) -> Sequence:

@@ -15,11 +15,17 @@ from shared.sampling import SamplingParams
 
 
 def no_token_at(h: Harness, request: Request, sample_index: int, output_index: int) -> None:
-    """The fake worker draws NO_TOKEN for that sample's ``output_index``-th token."""
+    """The fake worker draws NO_TOKEN for that sample's ``output_index``-th token (the
+    first tokens of every sample come in one list, sample 0's, on the fork step)."""
     execute = h.worker.execute
 
     def patched(plan: BatchPlan) -> StepResult:
         result = execute(plan)
+        if output_index == 0:
+            first = result.sampled_token_ids.get(request.seq_id(0))
+            if first is not None and not request.seqs[0].output_token_ids:
+                first[sample_index] = NO_TOKEN
+            return result
         seq_id = request.seq_id(sample_index)
         seqs = [s for s in request.seqs if s.sample_index == sample_index]
         drawn = len(seqs[0].output_token_ids) if seqs else 0
@@ -30,13 +36,15 @@ def no_token_at(h: Harness, request: Request, sample_index: int, output_index: i
     h.worker.execute = patched  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_a_sample_without_a_token_fails_its_request(n: int) -> None:
+@pytest.mark.parametrize(("n", "sample", "at"), [(1, 0, 2), (3, 2, 2), (3, 2, 0), (4, 1, 0)])
+def test_a_sample_without_a_token_fails_its_request(n: int, sample: int, at: int) -> None:
+    """``at`` 0 with n > 1: on the fork step, where a forked sample's failure must end
+    the forking too (no sample is made for a request that has ended)."""
     h = Harness()
     free = h.sched.kv.pool.num_free
     bad = h.add("bad", 9, n=n, max_tokens=8, ignore_eos=True, allowed_token_ids=[3, 4])
     good = h.add("good", 7, max_tokens=8, ignore_eos=True)
-    no_token_at(h, bad, n - 1, 2)
+    no_token_at(h, bad, sample, at)
     failed, ended = [], []
     while h.engine.has_work():
         output = h.step()
@@ -45,13 +53,14 @@ def test_a_sample_without_a_token_fails_its_request(n: int) -> None:
     assert failed == [
         (
             "bad",
-            "no token could be drawn at output token 2: every token was masked, or the "
+            f"no token could be drawn at output token {at}: every token was masked, or the "
             "logits overflowed float32 (the request sets allowed_token_ids)",
         )
-    ]
-    assert sorted(e for e in ended if e[0] == "bad") == [("bad", i, "abort") for i in range(n)]
+    ]  # once, however many samples the request has
     lengths = {seq.sample_index: len(seq.output_token_ids) for seq in bad.seqs}
-    assert lengths[n - 1] == 2 and max(lengths.values()) <= 3  # NO_TOKEN not kept
+    ends = sorted(e for e in ended if e[0] == "bad")
+    assert ends == [("bad", i, "abort") for i in sorted(lengths)]
+    assert lengths.get(sample, at) == at and max(lengths.values()) <= at + 1  # no NO_TOKEN
     assert good.seqs[0].finish_reason == "length" and len(good.seqs[0].output_token_ids) == 8
     assert h.sched.kv.pool.num_free == free and not h.sched.requests
 
