@@ -83,7 +83,7 @@ def main() -> None:
             if args.matmul:
                 torch.nn.functional.linear(x, weights[layer])
             start = time.perf_counter()
-            kernels.attend(q, (kv[:, layer, 0], kv[:, layer, 1]), step, out, params)
+            kernels.attend(q, None, (kv[:, layer, 0], kv[:, layer, 1]), step, out, params)
             spent += time.perf_counter() - start
         return spent
 

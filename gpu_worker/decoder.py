@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from gpu_worker import attention
 from gpu_worker.architectures import check_supported, logits_fn
+from gpu_worker.kernels.attention_args import layer_params
 from gpu_worker.lean_model import LeanDecoder, why_not_lean
 from gpu_worker.tensor_parallel import check_tp_supported, shard_model
 from shared.memory import malloc_trim
@@ -27,7 +28,10 @@ from shared.memory import malloc_trim
 if TYPE_CHECKING:
     from gpu_worker.kv_cache import KVCache
 
-__all__ = ["Decoder", "load_decoder"]
+__all__ = ["ATTN_IMPLEMENTATION", "Decoder", "expeditor_attention", "load_decoder"]
+
+ATTN_IMPLEMENTATION = "expeditor_paged"
+"""What transformers' modules run for attention (:func:`expeditor_attention`)."""
 
 
 @dataclass(slots=True)
@@ -116,10 +120,10 @@ def load_decoder(
     world = dist.get_world_size(group) if group is not None else 1
     if world > 1:
         check_tp_supported(config, world)
-    impl = attention.register()
+    AttentionInterface.register(ATTN_IMPLEMENTATION, expeditor_attention)  # idempotent
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=impl
+        model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     ).to(device)
     model.eval()
     if world > 1:
@@ -142,3 +146,28 @@ def load_decoder(
         # then holds 133 MiB less, 201 MiB less with its weights reordered.
         malloc_trim()
     return Decoder(model, config, lean, note, logits_fn(model, config))
+
+
+def expeditor_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over :func:`gpu_worker.attention.attend`: query
+    [1, heads, tokens, head_dim], key/value [1, kv_heads, tokens, head_dim]."""
+    meta: attention.StepMetadata | None = kwargs.get("expeditor_meta")
+    if meta is None:
+        raise RuntimeError("expeditor attention called without expeditor_meta")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    out = attention.attend(meta, layer, q, k, v, layer_params(scaling, window, softcap))
+    return out.unsqueeze(0), None

@@ -1,28 +1,16 @@
-"""expeditor's attention: one backend per worker, behind one interface.
+"""expeditor's attention: one :class:`AttentionBackend` per worker, chosen at start-up by
+:func:`choose_backend` (docs/architecture.md, "Attention", has the design and the
+backends: :mod:`.triton_backend`, :mod:`.native_backend`, :mod:`.torch_backend`).
 
-The model runs one packed forward per step: batch 1, every scheduled token side by side,
-explicit positions, no transformers cache. Attention is an :class:`AttentionBackend`
-(the shape of vLLM v1's backends and mini-sglang's ``BaseAttnBackend``): the runner
-calls its :meth:`~AttentionBackend.plan` once per step, on the host arrays of the step
-(before they reach the device), and puts the result into the step's
-:class:`StepMetadata`; every layer then calls :func:`attend` (the lean forward) or
-:func:`expeditor_attention` (transformers' modules, through the attention interface
-registered as :data:`ATTN_IMPLEMENTATION`), which hands the layer's q, k, v to the
-backend's :meth:`~AttentionBackend.forward`: store the new K/V in their cache slots,
-then attend over the paged cache. Every backend implements the whole contract: mixed
-batches of decodes and prompt chunks (row i of a sequence with L keys and n new rows
-sits at position L - n + i and sees keys k <= position), GQA, a per-layer sliding
-window (keys k > position - window) and soft-capping (scores become
-``softcap * tanh(score / softcap)``). Rows outside every sequence (the runner makes
-none) are zero on the CPU backends, unspecified on Triton.
-
-The backends, one module each, with its design: ``triton`` (:mod:`.triton_backend`,
-CUDA), ``native`` (:mod:`.native_backend`, a C kernel for float32 CPU workers) and
-``torch`` (:mod:`.torch_backend`, plain torch: the fallback, and the reference every
-other backend is tested against).
-
-:func:`choose_backend` picks one at worker start-up from the device, the dtype and what
-the machine has, and says why; nothing in the step path reads the environment.
+The contract every backend implements: a step is one packed batch, every scheduled token
+side by side; :meth:`~AttentionBackend.plan` runs once per step on its host arrays,
+:meth:`~AttentionBackend.forward` once per layer through :func:`attend` (transformers'
+modules through :func:`gpu_worker.decoder.expeditor_attention`): store the new K/V in
+their slots, then attend over the paged cache. Mixed batches of decodes and prompt chunks (row
+i of a sequence with L keys and n new rows sits at position L - n + i and sees keys k <=
+position), GQA, a per-layer sliding window (keys k > position - window) and
+soft-capping (scores become ``softcap * tanh(score / softcap)``). Rows outside every
+sequence (the runner makes none) are zero on the CPU backends, unspecified on Triton.
 """
 
 from __future__ import annotations
@@ -36,14 +24,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AttentionInterface
 
-from gpu_worker.kernels.attention_args import AttentionParams, check_args, layer_params
+from gpu_worker.kernels.attention_args import AttentionParams, check_args
 
 if TYPE_CHECKING:
     from gpu_worker.kernels.warmup import CacheLayout  # the KV layout (kv_cache.KVLayout)
 
-ATTN_IMPLEMENTATION = "expeditor_paged"
 log = logging.getLogger("expeditor.worker")
 StepArrays = Mapping[str, np.ndarray]
 """A step's host arrays (``StepInputs.host_arrays``): :class:`StepMetadata`'s first four
@@ -123,44 +109,11 @@ def attend(
     return meta.backend.forward(meta, layer, q, k, v, p)
 
 
-def expeditor_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over :func:`attend`: query [1, heads, tokens,
-    head_dim], key/value [1, kv_heads, tokens, head_dim]."""
-    meta: StepMetadata | None = kwargs.get("expeditor_meta")
-    if meta is None:
-        raise RuntimeError("expeditor attention called without expeditor_meta")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    layer: int = module.layer_idx  # type: ignore[assignment]
-    window = kwargs.get("sliding_window") or None
-    softcap = kwargs.get("softcap") or None
-    return attend(meta, layer, q, k, v, layer_params(scaling, window, softcap)).unsqueeze(0), None
-
-
-def register() -> str:
-    """Register the attention implementation with transformers (idempotent); its name."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, expeditor_attention)
-    return ATTN_IMPLEMENTATION
-
-
 def choose_backend(
     device: torch.device, layout: CacheLayout, num_heads: int, env: Mapping[str, str] = os.environ
 ) -> tuple[AttentionBackend, str]:
-    """The worker's backend and why (logged): Triton on CUDA (or anywhere with
-    ``EXPEDITOR_FORCE_TRITON=1``, on CPU tensors under ``TRITON_INTERPRET=1``), the
-    native kernel for float32 and bfloat16 on a CPU (an int8 cache too) unless
-    ``EXPEDITOR_NATIVE_CPU=0``, the kernel's limits (no fp8 cache) or a failed build say
-    otherwise, else torch. Read once, at start-up."""
+    """The worker's backend and why (logged), from the device, the dtype, the machine and
+    ``env`` (read here, once, at start-up)."""
     from gpu_worker.attention import native_backend, torch_backend
 
     device = torch.device(device)

@@ -1,20 +1,9 @@
-"""The native backend: CPU attention in C (``kernels/paged_attention_cpu.c``), float32 or
-bfloat16 (K/V, queries and outputs in the model's dtype; float32 sums either way).
-
-On a CPU the torch backend spends most of a layer on bookkeeping: gathering K/V copies,
-masks, a call per group. The kernel attends every sequence straight from the block
-tables in tiles of 16 keys, each tile's key and value rows read once for all the query
-heads of their KV head, with an online softmax (windows and soft-capping too), written
-once in vectors of 16 floats that ``-march=native`` maps onto the machine's registers
-(in bfloat16 with AVX-512 BF16 the scores are its dot products: :data:`FEATURES`); an
-int8 cache's tiles are dequantized as they are read. A call's sequences are spread over
-torch's own OpenMP threads (``native_build.OPENMP``). A sequence with more than
-:data:`PROMPT_ROWS` query rows (a prompt chunk) attends through the torch backend's
-groups instead, where SDPA's blocked matmuls beat the kernel's vector-at-a-time scores,
-except in a soft-capped layer (SDPA cannot cap). The plan makes that split once per
-step, and checks every index the kernel will follow (the kernel trusts them), in the
-int32/int64 copies the kernel then reads. The library is built once per machine
-(:mod:`gpu_worker.kernels.native_build`).
+"""The native backend: CPU attention in C (``kernels/paged_attention_cpu.c``, built once
+per machine by :mod:`gpu_worker.kernels.native_build`) for float32 and bfloat16 models,
+int8 caches too; docs/architecture.md ("Attention") has its design. Sequences of more
+than :data:`PROMPT_ROWS` query rows attend through the torch backend's groups, except in
+a soft-capped layer; the plan makes that split once per step, and checks every index the
+kernel will follow (it trusts them).
 """
 
 from __future__ import annotations
@@ -22,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,76 +26,53 @@ from gpu_worker.attention.torch_backend import (
     store_layer,
 )
 from gpu_worker.kernels.attention_args import AttentionParams
-from gpu_worker.kernels.native_build import library
+from gpu_worker.kernels.native_build import Library, library
 from gpu_worker.kernels.warmup import CacheLayout
-
-__all__ = ["NativeBackend", "NativeKernels", "NativeStep", "check_step", "load"]
 
 MAX_HEAD_DIM = 256
 """The kernel's limit (``MAX_HEAD_DIM`` in the source)."""
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 """The kernel's dtypes and its entry points' suffixes."""
 FEATURES = ((1, "avx2"), (2, "avx512"), (4, "avx512_bf16"), (8, "openmp"))
-"""``expeditor_kernel_features()``'s bits, what the build targets: AVX2 and FMA (a
-16-float vector in two registers), AVX-512 (in one), AVX-512 BF16 dot products
-(``vdpbf16ps``) for a bf16 layer's scores, a call's sequences over OpenMP threads;
-none: SSE vectors."""
+"""What the build targets (``expeditor_kernel_features()``'s bits; none: SSE vectors)."""
 PROMPT_ROWS = 16
 """Sequences with more query rows attend through SDPA, the rest through the kernel."""
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class NativeKernels:
     """The compiled library's two entry points for one dtype (rows contiguous)."""
 
-    def __init__(
-        self, path: Path, dtype: torch.dtype = torch.float32, lib: ctypes.CDLL | None = None
-    ) -> None:
-        """``lib``: the library at ``path`` loaded already (else it is loaded here)."""
-        self.path, self.dtype = path, dtype
-        lib = ctypes.CDLL(str(path)) if lib is None else lib
-        self._attend = getattr(lib, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
-        self._attend.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P]
-        self._attend.argtypes += [_P, _P, _I, _I, _I, _I, _I, _F, _I, _F]
-        bits = lib.expeditor_kernel_features()
+    def __init__(self, lib: Library, dtype: torch.dtype = torch.float32) -> None:
+        self.path, self.dtype, cdll = lib.path, dtype, lib.cdll
+        self._attend = getattr(cdll, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
+        types = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
+        self._attend.argtypes = [types[c] for c in "piipiipiipippippipiipipppiiiiifif"]
+        bits = cdll.expeditor_kernel_features()
         self.features = tuple(name for bit, name in FEATURES if bits & bit)
-        """What the build targets (``FEATURES``' names): ``-march=native`` and the
-        compiler's OpenMP decide."""
-        self.threads = lib.expeditor_kernel_threads
-        """The threads a call may use now (1 without OpenMP)."""
-        self._store = getattr(lib, f"expeditor_store_kv_{SUFFIXES[dtype]}")
-        self._store.restype = None
-        self._store.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I]
-
-    def store_kv(self, k: Tensor, v: Tensor, caches: Caches, slots: Tensor) -> None:
-        """``k[t]``/``v[t]`` to slot ``slots[t]`` (int64, contiguous; < 0: none)."""
-        cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
-        self._store(
-            *_rows(k), *_rows(v), *cache, slots.data_ptr(), len(slots), *caches[0].shape[1:]
-        )
+        self.threads = cdll.expeditor_kernel_threads
+        """The threads a call may use now (torch's; 1 without OpenMP)."""
 
     def attend(
         self,
         q: Tensor,
+        kv: tuple[Tensor, Tensor] | None,
         caches: Caches,
         step: NativeStep,
         out: Tensor,
         p: AttentionParams,
         scales: Caches | None = None,
     ) -> None:
-        """Attention of ``step``'s sequences into their rows of ``out``: those of at most
+        """Store the new rows ``kv`` in their slots (None: stored already), then attend
+        ``step``'s sequences into their rows of ``out``: those of at most
         :data:`PROMPT_ROWS` query rows, or all in a soft-capped layer. ``scales``: an
         int8 cache's (``caches`` then hold its codes)."""
         seqs = step.all_seqs if p.softcap else step.kernel_seqs
-        if not len(seqs):
-            return
-        cache = (caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0))
-        cache += (
-            (0, 0, 0) if scales is None else (*(s.data_ptr() for s in scales), scales[0].stride(0))
-        )
+        new = (*_rows(kv[0]), *_rows(kv[1])) if kv else (0,) * 6
+        new += (step.slots.data_ptr(), len(step.slots))
+        cache = (*_pair(caches), *((0, 0, 0) if scales is None else _pair(scales)))
         tables = (step.tables.data_ptr(), step.tables.stride(0), step.lens.data_ptr())
         shape = (seqs.data_ptr(), len(seqs), q.shape[1], *caches[0].shape[1:])
-        args = (*_rows(q), *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
+        args = (*_rows(q), *new, *cache, *_rows(out), *tables, step.starts.data_ptr(), *shape)
         if self._attend(*args, p.scale, p.window, p.softcap):
             raise ValueError("native attention refused the shapes")
 
@@ -117,10 +82,15 @@ def _rows(t: Tensor) -> tuple[int, int, int]:
     return t.data_ptr(), t.stride(0), t.stride(1)
 
 
+def _pair(caches: Caches) -> tuple[int, int, int]:
+    """A layer's (keys, values) for the kernel: their addresses and block stride."""
+    return caches[0].data_ptr(), caches[1].data_ptr(), caches[0].stride(0)
+
+
 @functools.cache
 def _loaded(dtype: torch.dtype = torch.float32) -> NativeKernels | str:
     loaded = library()
-    return loaded if isinstance(loaded, str) else NativeKernels(loaded.path, dtype, loaded.cdll)
+    return loaded if isinstance(loaded, str) else NativeKernels(loaded, dtype)
 
 
 def load(
@@ -141,21 +111,20 @@ def load(
 class NativeStep:
     """A step's indices as the kernel reads them, and its split."""
 
-    tables: torch.Tensor
-    lens: torch.Tensor
-    starts: torch.Tensor
-    slots: torch.Tensor
+    tables: Tensor
+    lens: Tensor
+    starts: Tensor
+    slots: Tensor
     """int32 ``block_tables``, ``seq_lens``, ``query_start_loc``; int64 ``slot_mapping``."""
-    all_seqs: torch.Tensor
+    all_seqs: Tensor
     """Every sequence with query rows (a soft-capped layer's kernel call)."""
-    kernel_seqs: torch.Tensor
+    kernel_seqs: Tensor
     """Those with at most :data:`PROMPT_ROWS` rows; the others: ``groups`` (torch's)."""
     groups: list[Group]
     covered: bool
     """Every token is a sequence's query row."""
     caches_checked: bool = False
-    """The step's first layer found its caches in the kernel's layout (every layer's
-    caches are views of one KV tensor: the same dtype and strides)."""
+    """The first layer found its caches as the kernel reads them (the others share them)."""
     quantized_store: tuple[tuple[Tensor, Tensor], Tensor | None] | None = None
     """An int8 cache's: where the new rows' codes and scales go (``store_index``)."""
 
@@ -199,14 +168,13 @@ class NativeBackend(AttentionBackend):
             for n in ("block_tables", "seq_lens", "query_start_loc")
         )
         slots = torch.from_numpy(np.ascontiguousarray(arrays["slot_mapping"], dtype=np.int64))
-        first, last = (int(starts[0]), int(starts[-1])) if len(starts) else (0, 0)
         q_lens = np.diff(starts.numpy())
         kv_row = self.layout.num_kv_heads * self.layout.head_dim
         long = np.flatnonzero(q_lens > PROMPT_ROWS)
         groups = plan_groups(arrays, block_size, kv_row, self.device, long)
-        some, short = torch.from_numpy(q_lens > 0), torch.from_numpy(q_lens <= PROMPT_ROWS)
-        seqs = (some.nonzero().view(-1), (some & short).nonzero().view(-1))
-        covered = first == 0 and last == slots.shape[0]
+        some = q_lens > 0
+        seqs = [torch.from_numpy(np.flatnonzero(s)) for s in (some, some & (q_lens <= PROMPT_ROWS))]
+        covered = len(starts) > 0 and int(starts[0]) == 0 and int(starts[-1]) == len(slots)
         step = NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
         if self.layout.kv_dtype is not None:
             step.quantized_store = store_index(arrays, block_size, self.device)
@@ -225,13 +193,11 @@ class NativeBackend(AttentionBackend):
         if not step.caches_checked:
             check_caches(caches, scales, dtype)
             step.caches_checked = True
-        if scales is None:
-            self.kernels.store_kv(k, v, caches, step.slots)
-        else:  # codes and scales stored as the torch backend stores them
+        if scales is not None:  # codes and scales, stored as the torch backend stores them
             assert step.quantized_store is not None
             k, v = store_layer(caches, scales, *step.quantized_store, k, v, dtype)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
-        self.kernels.attend(q, caches, step, out, p, scales)
+        self.kernels.attend(q, None if scales else (k, v), caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)
         return out

@@ -1,17 +1,6 @@
-"""The torch backend: paged attention in plain torch, simple and exact; the fallback and
-the reference of the other backends (:mod:`gpu_worker.attention` has the contract).
-
-Its plan (numpy, once per step) makes groups of sequences: the step's decodes together,
-padded to their longest context (as many per group as keep its gathered K/V within
-:data:`GROUP_ELEMENTS`), every other sequence a group of its own. A layer stores its new
-K/V into their slots, then per group gathers the K/V blocks through the tables (a whole
-prompt, all of whose keys are this step's, reads the step's own rows instead), and
-attends with one call: SDPA (float32 accumulation; its own causal mask for a whole
-prompt that no window cuts), or explicit float32 scores with soft-capping, which SDPA
-cannot apply. Slots past a context may hold anything, even NaN, which a mask would not
-hide: the gathered copies zero them. In a quantized cache (:mod:`gpu_worker.kv_quant`)
-a layer stores codes and scales, and attends over the gathered blocks dequantized (a
-whole prompt over its own rows quantized and dequantized, as a cache read gives them).
+"""The torch backend: paged attention in plain torch, simple and exact; the fallback, and
+the reference of the other backends (docs/architecture.md, "Attention", has its design;
+:mod:`gpu_worker.attention` the contract).
 """
 
 from __future__ import annotations
@@ -127,17 +116,14 @@ def store_layer(
     cache read gives them back, in ``dtype``. With ``scales`` (a quantized cache, whose
     ``caches`` hold codes) the rows are stored as codes and scales, and come back
     dequantized."""
-    key_cache, value_cache = caches
+    stores = [(caches, (k, v))]
     if scales is not None:
-        (k_codes, k_scale), (v_codes, v_scale) = (quantize(x, key_cache.dtype) for x in (k, v))
-        stores = [(key_cache, k_codes), (value_cache, v_codes)]
-        stores += [(scales[0], k_scale), (scales[1], v_scale)]
+        (k_codes, k_scale), (v_codes, v_scale) = (quantize(x, caches[0].dtype) for x in (k, v))
+        stores = [(caches, (k_codes, v_codes)), (scales, (k_scale, v_scale))]
         k, v = dequantize(k_codes, k_scale, dtype), dequantize(v_codes, v_scale, dtype)
-    else:
-        stores = [(key_cache, k), (value_cache, v)]
-    for cache, rows in stores:
-        kept = rows if stored is None else rows[stored]
-        cache.index_put_(store, kept.to(cache.dtype))
+    for pair, rows in stores:
+        for cache, new in zip(pair, rows, strict=True):
+            cache.index_put_(store, (new if stored is None else new[stored]).to(cache.dtype))
     return k, v
 
 

@@ -1,17 +1,15 @@
-/* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py has
- * the design: tiles of 16 keys, an online softmax, several KV heads side by side), in
- * cpu_vectors.h's vectors of 16 floats. The caller has checked every index.
+/* Paged attention for the native CPU backend (gpu_worker/attention/native_backend.py;
+ * docs/architecture.md, "Attention", has the design). The caller has checked every index.
  *
- * Layouts: q[t, h, d] at q + t * q_tok + h * q_head + d, out likewise; caches [blocks,
- * block_size, kv_heads, head_dim], block_stride elements apart, contiguous within a
- * block; an int8 cache (gpu_worker/kv_quant.py) holds codes so, with a float16 scale per
- * row [blocks, block_size, kv_heads], scale_stride apart; tables[s, j] int32,
- * table_stride apart; seqs (int64) the sequences to compute (other rows of out are left
- * as they are).
+ * q[t, h, d] sits at q + t * q_tok + h * q_head + d, out likewise; the caches [blocks,
+ * block_size, kv_heads, head_dim] block_stride elements apart, contiguous in a block (an
+ * int8 cache: codes, and a float16 scale per row [blocks, block_size, kv_heads]
+ * scale_stride apart); tables[s, j] int32, table_stride apart. Only the rows of the
+ * sequences seqs (int64) are written.
  *
- * The code below the prelude is written once over an element type T and compiled twice:
- * this file includes itself with T = float (entry points *_f32) and T = uint16_t holding
- * bfloat16 (*_bf16: loads widen to float32, stores round to nearest even). */
+ * The code after the prelude is over an element type T, compiled twice (the file includes
+ * itself): float (*_f32) and uint16_t holding bfloat16 (*_bf16: loads widen, stores round
+ * to nearest even). */
 #ifndef T
 #include "cpu_vectors.h"
 #if defined(__AVX512BF16__)
@@ -55,25 +53,20 @@ INLINE v16 sum16(const v16 *a) {
            SHUFFLE(d[0], d[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
 }
 
-/* The sum (add) or maximum (max) of x's lanes, halving its width each step. */
-#define FOLD(x, op)                                                                        \
-    v8 y = op(SHUFFLE(x, x, 0, 1, 2, 3, 4, 5, 6, 7), SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15)); \
-    v4 z = op(SHUFFLE(y, y, 0, 1, 2, 3), SHUFFLE(y, y, 4, 5, 6, 7));                        \
-    z = op(z, SHUFFLE(z, z, 2, 3, 0, 1));                                                  \
-    return op(z, SHUFFLE(z, z, 1, 0, 3, 2))[0]
-#define ADD(a, b) ((a) + (b))
-#define MAX(a, b)                                                          \
-    ({                                                                     \
-        const __typeof__(a) a_ = (a), b_ = (b);                            \
-        const __typeof__(a_ > b_) m_ = a_ > b_;                            \
-        (__typeof__(a_))((m_ & (__typeof__(m_))a_) | (~m_ & (__typeof__(m_))b_)); \
-    })
-INLINE float hsum(v16 x) { FOLD(x, ADD); }
+/* The sum of x's lanes (halving them each step), and their maximum. */
+INLINE float hsum(v16 x) {
+    v8 y = SHUFFLE(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 z = SHUFFLE(y, y, 0, 1, 2, 3) + SHUFFLE(y, y, 4, 5, 6, 7);
+    z = z + SHUFFLE(z, z, 2, 3, 0, 1);
+    return (z + SHUFFLE(z, z, 1, 0, 3, 2))[0];
+}
 INLINE float hmax(v16 x) {
-#if HAVE_AVX512 /* one instruction a level (the fold's MAX keeps NaN semantics: three) */
+#if HAVE_AVX512
     return _mm512_reduce_max_ps((__m512)x);
 #else
-    FOLD(x, MAX);
+    float m = x[0];
+    for (int j = 1; j < 16; j++) m = x[j] > m ? x[j] : m;
+    return m;
 #endif
 }
 
@@ -100,8 +93,8 @@ INLINE float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero:
- * float32 as it is, bfloat16 widened (its bits are float32's upper half). */
+/* The first n (<= the vector's lanes) elements at p as float32 lanes, the rest zero
+ * (load_bf16, in cpu_vectors.h, for 16 bfloat16), and a float32 as T. */
 typedef uint16_t vnh __attribute__((vector_size(2 * NL)));
 typedef uint32_t vnu __attribute__((vector_size(4 * NL)));
 INLINE v16 load_f32(const float *p, int64_t n) {
@@ -109,12 +102,12 @@ INLINE v16 load_f32(const float *p, int64_t n) {
     memcpy(&x, p, sizeof(float) * (n == 16 ? 16 : n)); /* whole: one load */
     return x;
 }
-INLINE vn load_f32n(const float *p, int64_t n) {
+INLINE vn loadn_f32(const float *p, int64_t n) {
     vn x = {0};
     memcpy(&x, p, sizeof(float) * (n == NL ? NL : n));
     return x;
 }
-INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
+INLINE vn loadn_bf16(const uint16_t *p, int64_t n) {
     vnh h = {0};
     memcpy(&h, p, sizeof(uint16_t) * (n == NL ? NL : n));
 #if NL == 16
@@ -125,9 +118,13 @@ INLINE vn load_bf16n(const uint16_t *p, int64_t n) {
     return (vn)(__builtin_convertvector(h, vnu) << 16);
 #endif
 }
+INLINE float to_f32(float x) { return x; }
+#define to_bf16 f32_to_bf16
+#define LOAD(p, n) NAME(load)(p, n)
+#define LOADN(p, n) NAME(loadn)(p, n)
+#define STORE(x) NAME(to)(x)
 
-/* What this build targets: 1 AVX2 and FMA, 2 AVX-512, 4 AVX-512 BF16 dot products,
- * 8 OpenMP threads over the sequences. */
+/* What this build targets (native_backend.FEATURES names the bits). */
 int expeditor_kernel_features(void) {
     return HAVE_AVX2 | HAVE_AVX512 << 1 | HAVE_AVX512BF16 << 2 | HAVE_OPENMP << 3;
 }
@@ -136,30 +133,19 @@ int expeditor_kernel_features(void) {
 int expeditor_kernel_threads(void) {
 #if HAVE_OPENMP
     return omp_get_max_threads();
-#else
-    return 1;
 #endif
+    return 1;
 }
 
 #define T float
 #define NAME(x) x##_f32
-#define LOAD(p, n) load_f32(p, n)
-#define LOADN(p, n) load_f32n(p, n)
-#define STORE(x) (x)
 #define DOT_BF16 0
 #include __FILE__
 #undef T
 #undef NAME
-#undef LOAD
-#undef LOADN
-#undef STORE
 #undef DOT_BF16
-
 #define T uint16_t
 #define NAME(x) x##_bf16
-#define LOAD(p, n) load_bf16(p, n)
-#define LOADN(p, n) load_bf16n(p, n)
-#define STORE(x) f32_to_bf16(x)
 #define DOT_BF16 HAVE_AVX512BF16
 #include __FILE__
 
@@ -186,11 +172,8 @@ INLINE void NAME(tile_rows)(
     for (int64_t j = 0; j < n; j++, off++) {
         if (off == a->block_size) b++, off = 0;
         const int64_t at = table[b] * a->block_stride + off * a->key_row + kv0 * head_dim;
-        if (!a->key_scales) {
-            krow[j] = (const T *)a->keys + at;
-            vrow[j] = (const T *)a->values + at;
-            continue;
-        }
+        krow[j] = (const T *)a->keys + at, vrow[j] = (const T *)a->values + at;
+        if (!a->key_scales) continue;
         const int64_t sc = table[b] * a->scale_stride + off * a->num_kv_heads + kv0;
         const int8_t *kc = (const int8_t *)a->keys + at, *vc = (const int8_t *)a->values + at;
         T *kd = kbuf + j * n_kv * head_dim, *vd = vbuf + j * n_kv * head_dim;
@@ -209,8 +192,7 @@ INLINE void NAME(tile_rows)(
 
 /* One key row's 16-lane partial dot product with a query vector (its lanes' sum is the
  * score): float32 FMAs over the scaled query, or bf16 pairs over the raw one (dot). */
-INLINE v16 NAME(partial_dot)(
-    const v16 *qv, const T *k, const int64_t head_dim, const int dot) {
+INLINE v16 NAME(partial_dot)(const v16 *qv, const T *k, const int64_t head_dim, const int dot) {
     v16 s = {0};
     (void)dot;
 #if DOT_BF16
@@ -224,7 +206,7 @@ INLINE v16 NAME(partial_dot)(
     }
 #endif
     for (int64_t c = 0; c < (head_dim + 15) / 16; c++)
-        s += qv[c] * LOAD(k + 16 * c, head_dim - 16 * c < 16 ? head_dim - 16 * c : 16);
+        s += qv[c] * LOAD(k + 16 * c, MIN(head_dim - 16 * c, 16));
     return s;
 }
 
@@ -234,16 +216,14 @@ INLINE void NAME(tile_values)(float *acc, int64_t stride, const float *p, const 
                               int64_t n, const int64_t head_dim, const int G) {
     const int64_t chunks = (head_dim + NL - 1) / NL;
     for (int64_t c0 = 0; c0 < chunks; c0 += VALUE_COLS) {
-        const int64_t cols = chunks - c0 < VALUE_COLS ? chunks - c0 : VALUE_COLS;
+        const int64_t cols = MIN(chunks - c0, VALUE_COLS);
         vn acc_v[VALUE_VECTORS][VALUE_COLS], vv[VALUE_COLS];
         for (int g = 0; g < G; g++)
             for (int64_t c = 0; c < cols; c++)
                 memcpy(&acc_v[g][c], acc + g * stride + NL * (c0 + c), sizeof(vn));
         for (int64_t j = 0; j < n; j++) {
-            for (int64_t c = 0; c < cols; c++) {
-                const int64_t d = NL * (c0 + c);
-                vv[c] = LOADN(vrow[j] + d, head_dim - d < NL ? head_dim - d : NL);
-            }
+            for (int64_t c = 0; c < cols; c++)
+                vv[c] = LOADN(vrow[j] + NL * (c0 + c), MIN(head_dim - NL * (c0 + c), NL));
             for (int g = 0; g < G; g++)
                 for (int64_t c = 0; c < cols; c++) acc_v[g][c] += p[g * 16 + j] * vv[c];
         }
@@ -273,23 +253,20 @@ INLINE void NAME(attend_tiles)(
             const T *src = a->q + (q0 + vec / per_kv) * a->q_tok + head * a->q_head;
             for (int64_t c = 0; dot && c < head_dim / 32; c++) /* raw bf16 pairs */
                 memcpy(&qv[h][r][c], src + 32 * c, sizeof(v16));
-            for (int64_t c = 0; !dot && c < hp / 16; c++) {
-                const int64_t left = head_dim - 16 * c;
-                qv[h][r][c] = LOAD(src + 16 * c, left < 16 ? left : 16) * splat(a->scale);
-            }
+            for (int64_t c = 0; !dot && c < hp / 16; c++)
+                qv[h][r][c] = LOAD(src + 16 * c, MIN(head_dim - 16 * c, 16)) * splat(a->scale);
             memset(acc[h][r], 0, sizeof acc[h][r]);
             run_max[h][r] = -INFINITY;
             run_sum[h][r] = 0.0f;
         }
     int ready = 0; /* cur holds this tile's rows: the last tile fetched them early */
     for (int64_t base = lo / 16 * 16; base <= hi; base += 16) {
-        const int64_t n = hi + 1 - base < 16 ? hi + 1 - base : 16;
+        const int64_t n = MIN(hi + 1 - base, 16);
         if (!ready)
             NAME(tile_rows)(a, table, base, n, kv0, n_kv, head_dim, cur[0], cur[1], kbuf, vbuf);
         const T **krow = cur[0], **vrow = cur[1], **next_k = next[0], **next_v = next[1];
         /* The next tile's rows, fetched early (an int8 cache's are dequantized later). */
-        const int64_t after = hi + 1 - (base + 16), m = quantized || after <= 0 ? 0
-                                                        : after < 16 ? after : 16;
+        const int64_t m = quantized || base + 16 > hi ? 0 : MIN(hi - base - 15, 16);
         if (m) NAME(tile_rows)(a, table, base + 16, m, kv0, n_kv, head_dim, next_k, next_v, 0, 0);
         for (int64_t h = 0; h < n_kv; h++) {
             for (int64_t j = 0; j < m; j++) /* head h's lines, spread over the heads */
@@ -300,9 +277,8 @@ INLINE void NAME(attend_tiles)(
             for (int64_t r = 0; r < nv; r++) {
                 /* The keys row r sees: a contiguous run of the tile's slots. */
                 const int64_t pos = first_pos + (v0 + r) / per_kv;
-                const int64_t last = pos - base < n - 1 ? pos - base : n - 1;
-                const int64_t first = window > 0 && pos - window + 1 - base > 0
-                                          ? pos - window + 1 - base : 0;
+                const int64_t last = MIN(pos - base, n - 1), from = pos - window + 1 - base;
+                const int64_t first = window > 0 && from > 0 ? from : 0;
                 if (last < first) { /* keys of later rows, or below the row's window */
                     memset(p[h][r], 0, sizeof p[h][r]);
                     continue;
@@ -353,10 +329,13 @@ INLINE void NAME(attend_tiles)(
 
 #define TILES(D) NAME(attend_tiles)(&a, table, q0, first_pos, kv0, n_kv, v0, nv, D)
 
-/* Attention of the sequences seqs[0 .. n_seqs) (0, or -1: shapes beyond the kernel). */
+/* Each token's new key and value rows (k and v in rows like q's; NULL: none) into slot
+ * block * block_size + offset (slots[t] < 0: none), then the attention of the sequences
+ * seqs[0 .. n_seqs). Returns 0, or -1 for shapes beyond the kernel. */
 int NAME(expeditor_paged_attention)(
-    const T *q, int64_t q_tok, int64_t q_head,
-    const void *key_cache, const void *value_cache, int64_t block_stride,
+    const T *q, int64_t q_tok, int64_t q_head, const T *k, int64_t k_tok, int64_t k_head,
+    const T *v, int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t n_tokens,
+    void *key_cache, void *value_cache, int64_t block_stride,
     const uint16_t *key_scales, const uint16_t *value_scales, int64_t scale_stride,
     T *out, int64_t o_tok, int64_t o_head,
     const int32_t *tables, int64_t table_stride,
@@ -364,13 +343,22 @@ int NAME(expeditor_paged_attention)(
     int64_t n_seqs, int64_t num_heads, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, float softcap) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    const int64_t key_row = num_kv_heads * head_dim;
+    for (int64_t t = 0; k && t < n_tokens; t++) {
+        const int64_t at = slots[t] / block_size * block_stride + slots[t] % block_size * key_row;
+        for (int64_t h = 0; slots[t] >= 0 && h < num_kv_heads; h++) {
+            T *kc = (T *)key_cache + at + h * head_dim, *vc = (T *)value_cache + at + h * head_dim;
+            memcpy(kc, k + t * k_tok + h * k_head, sizeof(T) * head_dim);
+            memcpy(vc, v + t * v_tok + h * v_head, sizeof(T) * head_dim);
+        }
+    }
     const NAME(Args) a = {
         q, key_cache, value_cache, key_scales, value_scales, out, tables, seq_lens,
         query_start_loc, q_tok, q_head, o_tok, o_head, block_stride, scale_stride,
         table_stride, block_size, num_kv_heads, num_heads / num_kv_heads,
-        num_kv_heads * head_dim, window, scale, softcap};
-    /* Sequences spread over the process's OpenMP threads (torch's own pool: see
-     * native_backend.py), taken one at a time as each thread finishes its last. */
+        key_row, window, scale, softcap};
+    /* Sequences spread over the process's OpenMP threads (torch's own pool), taken one at
+     * a time as each thread finishes its last. */
 #pragma omp parallel for schedule(dynamic, 1) if (n_seqs > 1)
     for (int64_t si = 0; si < n_seqs; si++) {
         const int64_t s = seqs[si], q0 = query_start_loc[s];
@@ -380,9 +368,8 @@ int NAME(expeditor_paged_attention)(
         const int64_t first_pos = n_keys - n_rows, n_vectors = n_rows * a.per_kv;
         for (int64_t v0 = 0; v0 < n_vectors; v0 += MAX_VECTORS)
             for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += TILE_KV_HEADS) {
-                const int64_t nv = n_vectors - v0 < MAX_VECTORS ? n_vectors - v0 : MAX_VECTORS;
-                const int64_t n_kv =
-                    num_kv_heads - kv0 < TILE_KV_HEADS ? num_kv_heads - kv0 : TILE_KV_HEADS;
+                const int64_t nv = MIN(n_vectors - v0, MAX_VECTORS);
+                const int64_t n_kv = MIN(num_kv_heads - kv0, TILE_KV_HEADS);
                 switch (head_dim) {
                 case 64: TILES(64); break;
                 case 128: TILES(128); break;
@@ -391,25 +378,6 @@ int NAME(expeditor_paged_attention)(
             }
     }
     return 0;
-}
-
-/* Each token's new key and value rows into slot block * block_size + offset (< 0: none). */
-void NAME(expeditor_store_kv)(const T *k, int64_t k_tok, int64_t k_head, const T *v,
-                              int64_t v_tok, int64_t v_head, T *key_cache, T *value_cache,
-                              int64_t block_stride, const int64_t *slots, int64_t n_tokens,
-                              int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
-    const int64_t key_row = num_kv_heads * head_dim;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        const int64_t at = slot / block_size * block_stride + slot % block_size * key_row;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(key_cache + at + h * head_dim, k + t * k_tok + h * k_head,
-                   sizeof(T) * head_dim);
-            memcpy(value_cache + at + h * head_dim, v + t * v_tok + h * v_head,
-                   sizeof(T) * head_dim);
-        }
-    }
 }
 
 #undef TILES

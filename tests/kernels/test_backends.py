@@ -26,6 +26,7 @@ from support.attention_cases import (
 )
 
 from gpu_worker import attention
+from gpu_worker.decoder import expeditor_attention
 from gpu_worker.kernels import store_kv_ref
 
 BACKENDS = ["torch", "native", "triton"]
@@ -55,7 +56,7 @@ def run_both(
         )
         scale = query.shape[-1] ** -0.5
         with torch.inference_mode():
-            out, _ = attention.expeditor_attention(
+            out, _ = expeditor_attention(
                 SimpleNamespace(layer_idx=layer),  # type: ignore[arg-type]
                 query, key, value, None, scaling=scale, expeditor_meta=meta,
                 sliding_window=window, softcap=softcap,
@@ -196,7 +197,7 @@ def test_scale_defaults_to_head_dim() -> None:
     meta = planned(meta, backend_for("native", kv, 2))
     qkv = layers[0]
     with torch.inference_mode():
-        out, _ = attention.expeditor_attention(
+        out, _ = expeditor_attention(
             SimpleNamespace(layer_idx=0),  # type: ignore[arg-type]
             qkv[None, 0, :2], qkv[None, 1, :1], qkv[None, 2, :1], None, expeditor_meta=meta,
         )  # fmt: skip
@@ -238,4 +239,4 @@ def test_the_chooser_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_expeditor_attention_needs_the_metadata() -> None:
     q = torch.zeros(1, 2, 3, 16)
     with pytest.raises(RuntimeError, match="expeditor_meta"):
-        attention.expeditor_attention(SimpleNamespace(layer_idx=0), q, q, q, None)  # type: ignore[arg-type]
+        expeditor_attention(SimpleNamespace(layer_idx=0), q, q, q, None)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ torch backend's SDPA groups for long ones) and through ``store_kv_ref`` +
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,6 +52,11 @@ def native() -> Iterator[NativeKernels]:
     kernels = native_backend._loaded()
     assert not isinstance(kernels, str), f"a compiler is present but: {kernels}"
     yield kernels
+
+
+def kernels_at(path: Path) -> NativeKernels:
+    """The float32 kernels of the library at ``path``."""
+    return NativeKernels(native_build.Library(path, ctypes.CDLL(str(path))))
 
 
 def split(qkv: Tensor, heads: int, kv_heads: int, fused: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -243,15 +249,16 @@ def test_random_steps_match_reference(
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused"])
-def test_store_kv_writes_exactly_the_slotted_rows(native: NativeKernels, layout: str) -> None:
+def test_store_kv_writes_exactly_the_slotted_rows(layout: str) -> None:
     kv, meta, layers = make_step([(30, 5), (17, 1), (9, 9)], 2, 2, 24, 4, seed=3, lead_rows=2)
-    slots = meta.slot_mapping.clone()
+    slots = meta.slot_mapping
     slots[4] = -1  # one more token without a slot
-    k, v = split(layers[1], 4, 2, fused=layout == "fused")[1:]
+    q, k, v = split(layers[1], 4, 2, fused=layout == "fused")
     if layout == "contiguous":
         k, v = k.contiguous(), v.contiguous()
     before, expected = kv.clone(), kv.clone()
-    native.store_kv(k, v, (kv[:, 1, 0], kv[:, 1, 1]), slots)
+    meta = planned(meta, backend_for("native", kv, 4))
+    meta.backend.forward(meta, 1, q, k, v, layer_params(0.25, None, None))
     store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
     assert torch.equal(kv.nan_to_num(7.0), expected.nan_to_num(7.0))
     changed = (kv.nan_to_num(7.0) != before.nan_to_num(7.0)).any(dim=(-1, -2))  # per slot
@@ -375,11 +382,11 @@ def test_build_caches_its_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(native_build.subprocess, "run", no_compiling)
     assert native_build.build(tmp_path) == path and path.stat().st_mtime_ns == mtime
-    kv = torch.full((2, 4, 1, 16), float("nan"))
-    rows = torch.randn(3, 1, 16)
-    NativeKernels(path).store_kv(rows, rows, (kv, kv.clone()), torch.tensor([5, -1, 0]))
-    assert torch.equal(kv[1, 1], rows[0]) and torch.equal(kv[0, 0], rows[2])
-    assert int(kv.isnan().all(-1).sum()) == 6
+    built = kernels_at(path)  # the cached library works
+    monkeypatch.setattr(native_backend, "_loaded", lambda dtype: built)
+    kv, meta, layers = make_step(mixed_seqs(16, 40), 2, 2, 16, 4, 3)
+    check_native(kv, meta, layers, 2)
+    assert meta.backend.kernels is built  # type: ignore[attr-defined]
 
 
 def test_build_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,7 +460,7 @@ def test_the_portable_and_avx2_builds_match_reference(
     if tune and not {"avx2", "fma"} <= CPU_FLAGS:
         pytest.skip("the CPU has no AVX2")
     monkeypatch.setattr(native_build, "TUNE", tune)
-    built = NativeKernels(native_build.build(tmp_path))
+    built = kernels_at(native_build.build(tmp_path))
     assert built.features == features
     monkeypatch.setattr(native_backend, "_loaded", lambda dtype: built)
     for head_dim, block_size, window, softcap in ((20, 4, None, None), (32, 16, 9, 3.0)):

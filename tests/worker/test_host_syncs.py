@@ -110,7 +110,8 @@ STEP_PATH = {
     "gpu_worker/cuda_graphs.py": {"run", "shape_for", "pad_step", "is_decode_only", "bucket_for"},
     "gpu_worker/lean_model.py": {"__call__", "rotary", "_row_parallel"},
     "gpu_worker/sampler.py": None,  # every function
-    "gpu_worker/attention/__init__.py": {"attend", "expeditor_attention"},
+    "gpu_worker/attention/__init__.py": {"attend"},
+    "gpu_worker/decoder.py": {"expeditor_attention", "run", "run_step"},
     "gpu_worker/kernels/attention_args.py": None,
     "gpu_worker/attention/triton_backend.py": {"plan", "graph_runs", "forward"},
 }
