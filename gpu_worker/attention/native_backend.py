@@ -40,11 +40,12 @@ PROMPT_ROWS = 16
 
 
 class NativeKernels:
-    """The compiled library's two entry points for one dtype (rows contiguous)."""
+    """The compiled library's attention (with the K/V store) for one dtype."""
 
     def __init__(self, lib: Library, dtype: torch.dtype = torch.float32) -> None:
         self.path, self.dtype, cdll = lib.path, dtype, lib.cdll
         self._attend = getattr(cdll, f"expeditor_paged_attention_{SUFFIXES[dtype]}")
+        # q, k, v with their strides, slots, caches, scales, out, tables, sequences, shape
         types = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
         self._attend.argtypes = [types[c] for c in "piipiipiipippippipiipipppiiiiifif"]
         bits = cdll.expeditor_kernel_features()
