@@ -125,7 +125,7 @@ class NativeStep:
     covered: bool
     """Every token is a sequence's query row."""
     caches_checked: bool = False
-    """The first layer found its caches as the kernel reads them (the others share them)."""
+    """The first layer found its caches as the kernel reads them (all are views of one)."""
     quantized_store: tuple[tuple[Tensor, Tensor], Tensor | None] | None = None
     """An int8 cache's: where the new rows' codes and scales go (``store_index``)."""
 
@@ -198,7 +198,7 @@ class NativeBackend(AttentionBackend):
             assert step.quantized_store is not None
             k, v = store_layer(caches, scales, *step.quantized_store, k, v, dtype)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
-        self.kernels.attend(q, None if scales else (k, v), caches, step, out, p, scales)
+        self.kernels.attend(q, (k, v) if scales is None else None, caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:
             attend_group(g, out, q, k, v, caches, p, scales)
         return out

@@ -64,9 +64,9 @@ INLINE float hmax(v16 x) {
 #if HAVE_AVX512
     return _mm512_reduce_max_ps((__m512)x);
 #else
-    float m = x[0];
-    for (int j = 1; j < 16; j++) m = x[j] > m ? x[j] : m;
-    return m;
+    for (int w = 8; w > 0; w /= 2) /* a > b ? a : b, as maxps */
+        for (int j = 0; j < w; j++) x[j] = x[j] > x[j + w] ? x[j] : x[j + w];
+    return x[0];
 #endif
 }
 
@@ -329,9 +329,9 @@ INLINE void NAME(attend_tiles)(
 
 #define TILES(D) NAME(attend_tiles)(&a, table, q0, first_pos, kv0, n_kv, v0, nv, D)
 
-/* Each token's new key and value rows (k and v in rows like q's; NULL: none) into slot
- * block * block_size + offset (slots[t] < 0: none), then the attention of the sequences
- * seqs[0 .. n_seqs). Returns 0, or -1 for shapes beyond the kernel. */
+/* The new key and value rows (k, v, rows like q's; NULL for an int8 cache, whose codes
+ * the caller stores) into slot block * block_size + offset (slots[t] < 0: none), then the
+ * attention of the sequences seqs[0 .. n_seqs). Returns 0, or -1: shapes beyond it. */
 int NAME(expeditor_paged_attention)(
     const T *q, int64_t q_tok, int64_t q_head, const T *k, int64_t k_tok, int64_t k_head,
     const T *v, int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t n_tokens,
