@@ -124,10 +124,10 @@ class NativeStep:
     groups: list[Group]
     covered: bool
     """Every token is a sequence's query row."""
+    store: tuple[tuple[Tensor, Tensor], Tensor | None]
+    """Where an int8 cache's new codes and scales go (``store_index``; torch stores them)."""
     caches_checked: bool = False
     """The first layer found its caches as the kernel reads them (all are views of one)."""
-    quantized_store: tuple[tuple[Tensor, Tensor], Tensor | None] | None = None
-    """An int8 cache's: where the new rows' codes and scales go (``store_index``)."""
 
 
 def check_step(arrays: StepArrays, num_blocks: int, block_size: int) -> None:
@@ -176,10 +176,8 @@ class NativeBackend(AttentionBackend):
         some = q_lens > 0
         seqs = [torch.from_numpy(np.flatnonzero(s)) for s in (some, some & (q_lens <= PROMPT_ROWS))]
         covered = len(starts) > 0 and int(starts[0]) == 0 and int(starts[-1]) == len(slots)
-        step = NativeStep(tables, lens, starts, slots, *seqs, groups, covered)
-        if self.layout.kv_dtype is not None:
-            step.quantized_store = store_index(arrays, block_size, self.device)
-        return step
+        store = store_index(arrays, block_size, self.device)
+        return NativeStep(tables, lens, starts, slots, *seqs, groups, covered, store)
 
     def forward(
         self, meta: StepMetadata, layer: int, q: Tensor, k: Tensor, v: Tensor, p: AttentionParams
@@ -195,8 +193,7 @@ class NativeBackend(AttentionBackend):
             check_caches(caches, scales, dtype)
             step.caches_checked = True
         if scales is not None:  # codes and scales, stored as the torch backend stores them
-            assert step.quantized_store is not None
-            k, v = store_layer(caches, scales, *step.quantized_store, k, v, dtype)
+            k, v = store_layer(caches, scales, *step.store, k, v, dtype)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, (k, v) if scales is None else None, caches, step, out, p, scales)
         for g in () if p.softcap else step.groups:

@@ -4,8 +4,7 @@
  * q[t, h, d] sits at q + t * q_tok + h * q_head + d, out likewise; the caches [blocks,
  * block_size, kv_heads, head_dim] block_stride elements apart, contiguous in a block (an
  * int8 cache: codes, and a float16 scale per row [blocks, block_size, kv_heads]
- * scale_stride apart); tables[s, j] int32, table_stride apart. Only the rows of the
- * sequences seqs (int64) are written.
+ * scale_stride apart); tables[s, j] int32, table_stride apart; seqs int64.
  *
  * The code after the prelude is over an element type T, compiled twice (the file includes
  * itself): float (*_f32) and uint16_t holding bfloat16 (*_bf16: loads widen, stores round
@@ -60,13 +59,17 @@ INLINE float hsum(v16 x) {
     z = z + SHUFFLE(z, z, 2, 3, 0, 1);
     return (z + SHUFFLE(z, z, 1, 0, 3, 2))[0];
 }
+#define VMAX(a, b) /* a > b ? a : b lane by lane (maxps' rule), any width */             \
+    ({ const __typeof__(a) a_ = (a), b_ = (b); const __typeof__(a_ > b_) m_ = a_ > b_; \
+       (__typeof__(a_))((m_ & (__typeof__(m_))a_) | (~m_ & (__typeof__(m_))b_)); })
 INLINE float hmax(v16 x) {
 #if HAVE_AVX512
     return _mm512_reduce_max_ps((__m512)x);
 #else
-    for (int w = 8; w > 0; w /= 2) /* a > b ? a : b, as maxps */
-        for (int j = 0; j < w; j++) x[j] = x[j] > x[j + w] ? x[j] : x[j + w];
-    return x[0];
+    v8 y = VMAX(SHUFFLE(x, x, 0, 1, 2, 3, 4, 5, 6, 7), SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    v4 z = VMAX(SHUFFLE(y, y, 0, 1, 2, 3), SHUFFLE(y, y, 4, 5, 6, 7));
+    z = VMAX(z, SHUFFLE(z, z, 2, 3, 0, 1));
+    return VMAX(z, SHUFFLE(z, z, 1, 0, 3, 2))[0];
 #endif
 }
 
