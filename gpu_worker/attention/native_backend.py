@@ -124,8 +124,8 @@ class NativeStep:
     groups: list[Group]
     covered: bool
     """Every token is a sequence's query row."""
-    store: tuple[tuple[Tensor, Tensor], Tensor | None]
-    """Where an int8 cache's new codes and scales go (``store_index``; torch stores them)."""
+    store: tuple[tuple[Tensor, Tensor], Tensor | None] | None
+    """Where an int8 cache's new codes and scales go (``store_index``); None: no int8."""
     caches_checked: bool = False
     """The first layer found its caches as the kernel reads them (all are views of one)."""
 
@@ -176,7 +176,7 @@ class NativeBackend(AttentionBackend):
         some = q_lens > 0
         seqs = [torch.from_numpy(np.flatnonzero(s)) for s in (some, some & (q_lens <= PROMPT_ROWS))]
         covered = len(starts) > 0 and int(starts[0]) == 0 and int(starts[-1]) == len(slots)
-        store = store_index(arrays, block_size, self.device)
+        store = store_index(arrays, block_size, self.device) if self.layout.kv_dtype else None
         return NativeStep(tables, lens, starts, slots, *seqs, groups, covered, store)
 
     def forward(
@@ -193,6 +193,7 @@ class NativeBackend(AttentionBackend):
             check_caches(caches, scales, dtype)
             step.caches_checked = True
         if scales is not None:  # codes and scales, stored as the torch backend stores them
+            assert step.store is not None
             k, v = store_layer(caches, scales, *step.store, k, v, dtype)
         out = torch.empty_like(q) if step.covered else torch.zeros_like(q)
         self.kernels.attend(q, (k, v) if scales is None else None, caches, step, out, p, scales)
@@ -205,8 +206,7 @@ def check_caches(caches: Caches, scales: Caches | None, dtype: torch.dtype) -> N
     """Raise ``ValueError`` unless a layer's caches are as the kernel reads them: ``dtype``
     (int8 codes with float16 ``scales``), the two alike, contiguous within a block."""
     (keys, values), code = caches, dtype if scales is None else torch.int8
-    inner = (keys.shape[2] * keys.shape[3], keys.shape[3], 1)
-    pairs = [(keys, values, code, inner)]
+    pairs = [(keys, values, code, (keys.shape[2] * keys.shape[3], keys.shape[3], 1))]
     if scales is not None:
         pairs.append((*scales, torch.float16, (scales[0].shape[2], 1)))
     for a, b, kind, rows in pairs:

@@ -95,6 +95,8 @@ def build(directory: Path | None = None) -> Path:
 
 
 class Library(NamedTuple):
+    """The built library: its file, and the process's handle on it."""
+
     path: Path
     cdll: ctypes.CDLL
 
