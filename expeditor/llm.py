@@ -155,7 +155,7 @@ class LLM:
                 for earlier in request_ids:
                     self.scheduler.abort(earlier)
                     self.outputs.requests.pop(earlier, None)
-                raise RejectedError(exc.code, f"prompt {index}: {exc.message}") from None
+                raise RejectedError(exc.code, f"prompt {index}: {exc.message}", exc.field) from None
             request_ids.append(request_id)
         while self.has_work():
             self.step()
@@ -164,7 +164,7 @@ class LLM:
             for request_id in request_ids:
                 self.finished.pop(request_id, None)
             index, error = failed[0]
-            raise RejectedError(error.code, f"prompt {index}: {error.message}")
+            raise RejectedError(error.code, f"prompt {index}: {error.message}", error.field)
         return [self.finished.pop(request_id) for request_id in request_ids]
 
     def add_request(

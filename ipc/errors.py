@@ -47,14 +47,21 @@ class ServerError(Exception):
     """The scheduler answered with an ``ErrorReply``; ``str(error)`` is ``"code: message"``.
 
     ``request_id`` is the request the reply was about, or ``None`` for a frame the
-    server could not attribute to a request.
+    server could not attribute to a request; ``field`` the request field it names, if any.
     """
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
-        super().__init__(code, message, request_id)
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        request_id: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(code, message, request_id, field)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.field = field
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -116,7 +123,7 @@ outside the enum fails decoding before it gets here)."""
 
 def error_from_reply(reply: ErrorReply) -> ServerError:
     """The exception for ``reply``, the subclass its code maps to."""
-    return _ERRORS_BY_CODE[reply.code](reply.code, reply.message, reply.request_id)
+    return _ERRORS_BY_CODE[reply.code](reply.code, reply.message, reply.request_id, reply.field)
 
 
 class ClientTimeoutError(TimeoutError):

@@ -532,6 +532,9 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     request_id: str | None
     code: ErrorCode
     message: str
+    field: str | None = None
+    """The request field the refusal names (``logit_bias``, ``prompt_token_ids``...), as
+    ``Generate`` and ``SamplingParams`` call it; None when it names none."""
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):

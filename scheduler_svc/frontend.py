@@ -241,9 +241,15 @@ class Frontend:
             self.send(identity, Pong(instance=self.instance))
 
     def _refuse(
-        self, identity: bytes, request_id: str | None, code: ErrorCode, message: str
+        self,
+        identity: bytes,
+        request_id: str | None,
+        code: ErrorCode,
+        message: str,
+        field: str | None = None,
     ) -> None:
-        self.send(identity, ErrorReply(request_id=request_id, code=code, message=message))
+        reply = ErrorReply(request_id=request_id, code=code, message=message, field=field)
+        self.send(identity, reply)
 
     def _generate(self, identity: bytes, owner: bytes, msg: Generate) -> None:
         rid = msg.request_id
@@ -273,6 +279,7 @@ class Frontend:
                     rid,
                     ErrorCode.BAD_REQUEST,
                     f"prompt is {size} bytes; this server takes at most max_prompt_bytes={limit}",
+                    "prompt",
                 )
         if self.core is None and len(self.backlog) >= self.config.max_waiting_requests:
             return self._refuse(
@@ -324,7 +331,7 @@ class Frontend:
         except RejectedError as exc:
             if self.outputs.requests.get(request.request_id) is request and not request.ending:
                 self.outputs.requests.pop(request.request_id)
-                self._refuse(request.client, request.request_id, exc.code, exc.message)
+                self._refuse(request.client, request.request_id, exc.code, exc.message, exc.field)
             return
         finally:
             malloc_trim()
@@ -343,12 +350,13 @@ class Frontend:
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(COMPILE_THREADS, compiler.compile, spec)
         except InvalidRequestError as exc:
-            raise RejectedError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise RejectedError(ErrorCode.BAD_REQUEST, str(exc), exc.field) from None
         except TimeoutError:
             raise RejectedError(
                 ErrorCode.BAD_REQUEST,
                 f"structured_outputs: compiling its {spec.kind} took longer than "
                 f"grammar_compile_timeout_s={limit:g}",
+                "structured_outputs",
             ) from None
         except Exception as exc:  # the library itself failing: not the request's fault
             log.exception("compiling a structured output failed")
@@ -374,7 +382,7 @@ class Frontend:
             )  # fmt: skip
         except RejectedError as exc:
             self.outputs.requests.pop(rid, None)
-            return self._refuse(request.client, rid, exc.code, exc.message)
+            return self._refuse(request.client, rid, exc.code, exc.message, exc.field)
         request.prompt_token_ids = prompt
         self.send(request.client, Accepted(request_id=rid, prompt_token_ids=prompt))
         self.wake.set()

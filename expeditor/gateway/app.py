@@ -463,11 +463,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         async def work() -> Response:
             body, model = await _open(request, TokenizeRequest)
-            if (body.prompt is None) == (body.messages is None):
-                raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
+            body.check()
             if body.messages is not None:
-                if not body.messages:
-                    raise GatewayRequestError("messages: must not be empty", param="messages")
                 plan_tools(body.tools, "none", None, "none")  # checked as chat checks them
                 text = await render_messages(
                     model.template(),

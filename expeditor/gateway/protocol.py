@@ -428,8 +428,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise GatewayRequestError(
                 "top_logprobs: needs logprobs set to true", param="top_logprobs"
             )
-        if not self.messages:
-            raise GatewayRequestError("messages: must not be empty", param="messages")
+        _check_messages(self.messages)
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise GatewayRequestError(
@@ -462,6 +461,18 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool = True
 
     FREE_FORM: ClassVar[tuple[str, ...]] = ("messages", "tools")
+
+    def check(self) -> None:
+        """A 400 naming the field unless the body gives a prompt or some messages."""
+        if (self.prompt is None) == (self.messages is None):
+            raise GatewayRequestError("give exactly one of prompt and messages", param="prompt")
+        if self.messages is not None:
+            _check_messages(self.messages)
+
+
+def _check_messages(messages: list[dict[str, Any]] | None) -> None:
+    if not messages:
+        raise GatewayRequestError("messages: must not be empty", param="messages")
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -8,7 +8,6 @@ readable next to the OpenAI reference).
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -65,14 +64,13 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
 
 
 _FIELDS = {*CompletionRequest.__struct_fields__, *ChatCompletionRequest.__struct_fields__}
-_LEADING_FIELD = re.compile(r"([a-z_]+)(?:\[\d+\])?: ")
+_BODY_NAMES = {"bad_words_token_ids": "bad_words", "prompt_token_ids": "prompt"}
 
 
-def _param(message: str) -> str | None:
-    """The request field a scheduler's refusal starts by naming (``logit_bias: ...``), as
-    the body calls it, or None."""
-    match = _LEADING_FIELD.match(message)
-    name = match and {"bad_words_token_ids": "bad_words"}.get(match[1], match[1])
+def _param(field: str | None) -> str | None:
+    """The body field the scheduler's refusal names (its ``ErrorReply.field``), as the
+    body calls it; None when it names none of the body's."""
+    name = _BODY_NAMES.get(field, field) if field else None
     return name if name in _FIELDS else None
 
 
@@ -92,7 +90,7 @@ def error_of(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ServerError):
         if exc.code == "internal":
             return error_body(exc.message, "InternalServerError", 500)
-        return error_body(exc.message, "BadRequestError", 400, _param(exc.message))
+        return error_body(exc.message, "BadRequestError", 400, _param(exc.field))
     if isinstance(exc, UNREACHABLE):
         message = f"the scheduler does not answer: {exc}"
         return error_body(message, "ServiceUnavailableError", 503)

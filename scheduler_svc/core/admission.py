@@ -37,20 +37,23 @@ def check_request(
     if not isinstance(client, str):
         raise RejectedError(bad, f"client must be a string, got {client!r}")
     if not isinstance(prompt, list) or not prompt:
-        raise RejectedError(bad, "prompt_token_ids must be a non-empty list")
+        raise RejectedError(bad, "prompt_token_ids must be a non-empty list", "prompt_token_ids")
     if not all(type(t) is int and t >= 0 for t in prompt):
-        raise RejectedError(bad, "prompt_token_ids must hold non-negative integers")
+        raise RejectedError(
+            bad, "prompt_token_ids must hold non-negative integers", "prompt_token_ids"
+        )
     if vocab_size is not None and max(prompt) >= vocab_size:
         position, token = next((i, t) for i, t in enumerate(prompt) if t >= vocab_size)
         raise RejectedError(
             bad,
             f"prompt_token_ids: token id {token} (position {position}) is outside the "
             f"model's vocabulary [0, {vocab_size})",
+            "prompt_token_ids",
         )
     if vocab_size is not None:
         _check_ids_in_vocabulary(params, vocab_size)
     if params.n > config.max_num_seqs:
-        raise RejectedError(bad, f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
+        raise RejectedError(bad, f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}", "n")
     asked = params.num_speculative_tokens
     if asked and asked > config.num_speculative_tokens:
         raise RejectedError(
@@ -59,6 +62,7 @@ def check_request(
             f"({config.num_speculative_tokens}"
             + ("; speculative decoding is off" if not config.num_speculative_tokens else "")
             + ")",
+            "num_speculative_tokens",
         )
     max_len = config.max_model_len
     if len(prompt) >= max_len:
@@ -97,4 +101,5 @@ def _check_ids_in_vocabulary(params: SamplingParams, vocab_size: int) -> None:
                 ErrorCode.BAD_REQUEST,
                 f"{field}: token id {outside[0]} is outside the model's vocabulary "
                 f"[0, {vocab_size})",
+                field,
             )

@@ -57,12 +57,14 @@ class TokenConstraint(Protocol):
 class RejectedError(Exception):
     """A request refused at submission; ``code`` is what its client gets in the
     ``ErrorReply`` (``BAD_REQUEST``, ``DUPLICATE``, ``REJECTED``: can never fit,
-    ``OVERLOADED``: waiting queue full), the message says why."""
+    ``OVERLOADED``: waiting queue full), the message says why; ``field``: the request
+    field it names (as ``SamplingParams`` and ``Generate`` call it), when it names one."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field
 
 
 class Request:

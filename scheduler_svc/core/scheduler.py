@@ -225,6 +225,7 @@ class Scheduler(SequenceEnding, SpeculativeSteps):
                 raise RejectedError(
                     ErrorCode.BAD_REQUEST,
                     "structured_outputs: a constraint goes with them and only with them",
+                    "structured_outputs",
                 )
             request = self._validate(request_id, prompt_token_ids, params, priority, client)
         except RejectedError:

@@ -206,6 +206,7 @@ def test_token_ids_outside_the_vocabulary_are_bad_requests(server, token: int) -
     assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
     assert reply.request_id == f"oov-{token}"
     assert str(token) in reply.message and "vocabulary" in reply.message
+    assert reply.field == "prompt_token_ids"
     assert proc.poll() is None
     _serving(address)
 

@@ -537,10 +537,11 @@ def test_bad_requests_name_the_field(server, model_name) -> None:
     status, error = _error(
         _post(url, "/v1/completions", {"model": model_name, "prompt": [1, 10**6]})
     )
-    assert status == 400 and "vocab" in error["message"]
+    assert status == 400 and "vocab" in error["message"] and error["param"] == "prompt"
     body = {"model": model_name, "prompt": "x", "num_speculative_tokens": 2}
     status, error = _error(_post(url, "/v1/completions", body))
-    assert status == 400 and error["message"].startswith(
+    assert status == 400 and error["param"] == "num_speculative_tokens"
+    assert error["message"].startswith(
         "num_speculative_tokens: 2 exceeds the server's num_speculative_tokens (0; "
     )
     for field, value in (("logit_bias", {"1000000": 1.0}), ("allowed_token_ids", [10**6])):

@@ -601,22 +601,25 @@ def test_the_body_routers_forward_is_accepted() -> None:
     assert decode_body(kept, CompletionRequest).check().include_stop_str_in_output is True
 
 
-def test_the_schedulers_refusals_name_the_body_field_they_start_with() -> None:
-    """A scheduler's 400 (``ServerError``) carries ``param`` when its message starts by
-    naming a field of the body (an index allowed), as the body calls it."""
+def test_the_schedulers_refusals_name_the_body_field_they_name() -> None:
+    """A scheduler's 400 carries the field its reply names (``ErrorReply.field``, through
+    ``ServerError.field``) as ``param``, as the body calls it; none for a field the body
+    does not have, or a reply that names none."""
     from expeditor.gateway.responses import error_of
-    from ipc.errors import ServerError
-    from ipc.schema import ErrorCode
+    from ipc.errors import ServerError, error_from_reply
+    from ipc.schema import ErrorCode, ErrorReply
 
-    for message, param in (
-        ("logit_bias: token id 99999 is outside the vocabulary (size 320)", "logit_bias"),
-        ("prompt[2]: token id 999 is outside the vocabulary", "prompt"),
-        ("bad_words_token_ids: token id 400 is outside the vocabulary", "bad_words"),
-        ("structured_outputs: regex: unclosed group", "structured_outputs"),
-        ("no token could be drawn at output token 0: every token was masked", None),
-        ("worker_state: not a field", None),
+    for field, param in (
+        ("logit_bias", "logit_bias"),
+        ("prompt_token_ids", "prompt"),
+        ("bad_words_token_ids", "bad_words"),
+        ("structured_outputs", "structured_outputs"),
+        ("worker_state", None),
+        (None, None),
     ):
-        error = error_of(ServerError(ErrorCode.BAD_REQUEST, message))["error"]
+        message = f"{field}: refused"
+        reply = ErrorReply(request_id="r", code=ErrorCode.BAD_REQUEST, message=message, field=field)
+        error = error_of(error_from_reply(reply))["error"]
         assert (error["code"], error["param"], error["message"]) == (400, param, message)
-    internal = error_of(ServerError(ErrorCode.INTERNAL, "prompt: a bug"))["error"]
+    internal = error_of(ServerError(ErrorCode.INTERNAL, "prompt: a bug", field="prompt"))["error"]
     assert (internal["code"], internal["param"]) == (500, None)
